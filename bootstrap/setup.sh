@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Take a fresh machine (Debian 12, Raspberry Pi OS 64-bit, Ubuntu 22.04+, a laptop) to a
+# working p2ptrain install in a virtual environment (Debian and Pi OS refuse system-wide pip).
+#
+#   bootstrap/setup.sh            install p2ptrain into ./.venv
+#   bootstrap/setup.sh --test     the same, plus the test tools (pytest, hypothesis, ruff, ...)
+#   bootstrap/setup.sh --venv DIR use another environment directory
+#
+# Then run: .venv/bin/p2ptrain join
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv="$repo/.venv"
+extras=""
+
+usage() { sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --test) extras="[test]" ;;
+    --venv) shift; venv=${1:?--venv needs a directory} ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "setup.sh: unknown argument $1 (try --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+say() { printf 'setup: %s\n' "$*"; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"
+  elif command -v sudo >/dev/null 2>&1; then sudo "$@"
+  else die "need root to run: $* (install sudo or run as root)"
+  fi
+}
+
+case "$(uname -m)" in
+  armv6l|armv7l|i386|i686)
+    die "this is a 32-bit system ($(uname -m)); numpy has no wheels for it. On a Raspberry Pi,
+       install Raspberry Pi OS (64-bit) and run this again." ;;
+esac
+
+python=""
+for candidate in python3.13 python3.12 python3.11 python3; do
+  if command -v "$candidate" >/dev/null 2>&1 &&
+     "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    python=$(command -v "$candidate"); break
+  fi
+done
+if [ -z "$python" ]; then
+  found=$(python3 --version 2>/dev/null || echo "no python3")
+  die "p2ptrain needs Python 3.11 or newer; this machine has: $found.
+       Debian 12 / Raspberry Pi OS (bookworm) / Ubuntu 24.04 ship 3.11+: upgrade the OS, or
+       on Ubuntu 22.04: sudo apt install python3.11 python3.11-venv, then run this again."
+fi
+say "using $python ($("$python" --version 2>&1))"
+
+make_venv() { "$python" -m venv "$venv" >/dev/null 2>&1; }
+if [ ! -x "$venv/bin/python" ]; then
+  if ! make_venv; then
+    rm -rf "$venv"
+    ver=$("$python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+    command -v apt-get >/dev/null 2>&1 ||
+      die "$python cannot create a virtual environment and there is no apt-get; install venv support for Python $ver"
+    say "python venv support is missing: installing python3-venv"
+    as_root apt-get update -qq
+    as_root apt-get install -y -qq "python${ver}-venv" ||
+      as_root apt-get install -y -qq python3-venv
+    make_venv || die "cannot create a virtual environment in $venv"
+  fi
+  say "created virtual environment $venv"
+fi
+
+say "installing p2ptrain$extras (numpy, aiohttp, zeroconf, cryptography, xxhash, safetensors)"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$repo$extras"
+say "done: $("$venv/bin/p2ptrain" --version). Start training with: $venv/bin/p2ptrain join"

@@ -1,0 +1,151 @@
+"""What each `p2ptrain` subcommand does, once its arguments are parsed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from p2ptrain import checkpoint
+from p2ptrain.checkpoint.safetensors_io import SafetensorsError
+from p2ptrain.cli.main import resolve_config
+from p2ptrain.config import ConfigError, to_toml
+from p2ptrain.data import DataError
+from p2ptrain.identity import IdentityError
+from p2ptrain.report import Reporter
+from p2ptrain.solo import UserError
+
+USER_ERRORS = (UserError, ConfigError, DataError, checkpoint.CheckpointError, IdentityError,
+               SafetensorsError)
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    if args.command == "join":
+        return cmd_join(args)
+    if args.command == "sample":
+        return cmd_sample(args)
+    if args.command == "hw":
+        return cmd_hw(args)
+    if args.command == "bench":
+        return cmd_bench(args)
+    if args.command == "config":
+        return cmd_config_show(args)
+    raise UserError(f"unknown command {args.command}")
+
+
+def cmd_join(args) -> int:
+    from p2ptrain import solo
+
+    cfg = resolve_config(args)
+    return solo.run(cfg, Reporter(cfg["log.format"]))
+
+
+def cmd_config_show(args) -> int:
+    sys.stdout.write(to_toml(resolve_config(args)))
+    return 0
+
+
+def _resolve_checkpoint(path: Path) -> tuple[Path, dict]:
+    """A checkpoint directory, or the newest valid one under a state or checkpoints dir."""
+    if (path / checkpoint.store.MANIFEST_FILE).exists():
+        return path, checkpoint.read_manifest(path)
+    for root in (path / "checkpoints", path):
+        for candidate in checkpoint.list_checkpoints(root):
+            try:
+                return candidate, checkpoint.read_manifest(candidate)
+            except checkpoint.CheckpointError:
+                continue
+    if not path.exists():
+        raise UserError(f"checkpoint path {path} does not exist")
+    raise UserError(f"no valid checkpoint found at {path}")
+
+
+def cmd_sample(args) -> int:
+    from p2ptrain.models import model_from_arch
+    from p2ptrain.sample import generate
+
+    if args.length < 0:
+        raise UserError("--length must be >= 0")
+    if args.temperature < 0:
+        raise UserError("--temperature must be >= 0")
+    path, manifest = _resolve_checkpoint(Path(args.checkpoint).expanduser())
+    try:
+        model = model_from_arch(manifest.get("arch"))
+    except ValueError as exc:
+        raise UserError(f"{path.name}: {exc}") from None
+    params = model.space.zeros()
+    checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(params))
+    prompt = args.prompt.encode("utf-8")
+    out = sys.stdout.buffer
+    out.write(prompt)
+    for byte in generate(model, params, prompt, args.length, args.temperature,
+                         np.random.default_rng(args.seed)):
+        out.write(bytes([byte]))
+        out.flush()
+    out.write(b"\n")
+    out.flush()
+    return 0
+
+
+def cmd_hw(args) -> int:
+    from p2ptrain.hw import choose_batch, detect
+    from p2ptrain.models import build_model
+
+    cfg = resolve_config(args)
+    hw = detect()
+    model = build_model(cfg["model.name"], cfg.model_config())
+    batch, accum = choose_batch(hw, model.flops_per_token() * model.ctx_len,
+                                model.activation_bytes_per_sample(),
+                                cfg["train.target_step_seconds"])
+    doc = {**hw.as_dict(), "model": model.name, "batch": batch, "accum": accum}
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    limits = []
+    if hw.cgroup_cpu_limit is not None:
+        limits.append(f"cgroup cpu.max {hw.cgroup_cpu_limit:g} cores")
+    if hw.cgroup_memory_limit is not None:
+        limits.append(f"cgroup memory.max {hw.cgroup_memory_limit / 2**30:.1f} GiB")
+    print(f"device class   {hw.device_class}")
+    print(f"architecture   {hw.arch}")
+    print(f"cores          {hw.cpus:g} usable of {hw.cpus_host}")
+    print(f"memory         {hw.memory_bytes / 2**30:.1f} GiB usable")
+    print(f"limits         {', '.join(limits) if limits else 'none (not in a limited cgroup)'}")
+    print(f"matmul         {hw.matmul_gflops:.1f} GFLOP/s (float32 512x512)")
+    print(f"batch          {batch} for {model.name}" + (f" ({accum} micro-batches)"
+                                                         if accum > 1 else ""))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.target == "codecs":
+        from p2ptrain.codecs.bench import format_table, run_codec_bench
+
+        result = run_codec_bench(args.size or 100_000_000)
+        print(json.dumps(result) if args.json else format_table(result))
+        return 0
+    from p2ptrain.bench import run_model_bench
+
+    cfg = resolve_config(args)
+    if args.size is not None and args.size < 1:
+        raise UserError("--size must be >= 1")
+    progress = None if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
+    doc = run_model_bench(cfg, batch=args.size or 32, seconds=args.seconds, progress=progress)
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
+        print(f"model            {doc['model']} ({doc['params'] / 1e6:.2f}M parameters, "
+              f"batch {doc['batch']} x {doc['ctx_len']} tokens)")
+        print(f"training         {doc['tokens_per_s']:,.0f} tokens/s "
+              f"({doc['step_s'] * 1000:.0f} ms/step)")
+        print(f"model FLOP/s     {doc['model_gflops']:.1f} GFLOP/s "
+              f"({doc['flops_per_token'] / 1e6:.2f} MFLOP/token, formula in docs/BENCHMARKS.md)")
+        print(f"matmul FLOP/s    {doc['matmul_gflops']:.1f} GFLOP/s (float32 1024x1024, "
+              f"BLAS threads: {threads})")
+        print(f"ratio            {doc['ratio']:.2f} (goal >= 0.3)")
+    return 0

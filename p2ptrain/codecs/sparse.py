@@ -1,0 +1,309 @@
+"""Sparse codecs: only k = round(fraction * n) elements of a chunk travel.
+
+`topk` keeps the k largest magnitudes. The threshold is estimated from a seeded random sample
+of the chunk, the elements at or above it become candidates, and exactly k are chosen among
+them, as in Deep Gradient Compression; the sample only sets how much work the exact step does,
+so the result is the exact top-k (ties go to the lower index) either way. Positions travel as
+per-65536-block counts (uint32) plus uint16 offsets within the block, so the payload size is a
+function of n and k only: 4*ceil(n/65536) + k*(2 + value bytes).
+
+`randomk` keeps a seeded stratified subset: chunk split into k strata of near-equal length, one
+position drawn in each. The decoder regenerates the positions from the seed in the message
+header, so only the values travel. Optional unbiased scaling (x stratum length) is applied on
+decode; off by default (scaled values put spikes into Adam's moments).
+
+This file owns index selection, index coding and value packing for these two codecs. Apart from
+`exact=True` and the rare fallback to it, it allocates O(k) plus one sub-block (and O(candidates)
+when many values tie at the threshold), never reads the clock or global random state, and never
+writes the destination before the positions and values of the whole payload are validated.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from p2ptrain.codecs.base import (
+    VALUE_TYPE_NAMES,
+    VALUE_TYPES,
+    Codec,
+    CodecError,
+    ceil_div,
+    check_decoded_scale,
+    sections,
+)
+from p2ptrain.codecs.kernels import (
+    BLOCK,
+    all_finite,
+    bf16_bits_to_f32,
+    bit_stream,
+    blocks,
+    f16_bits_to_f32,
+    f32_to_bf16_bits,
+    f32_to_f16_bits,
+    max_abs,
+    max_magnitude_bits,
+)
+
+POSITION_BLOCK = 1 << 16  # positions per index block: offsets inside one fit a uint16
+_PPB = 1_000_000_000  # fractions travel as integer parts per billion
+_MIN_SAMPLE = 4096  # smallest threshold sample; at least 32/fraction are drawn
+_CANDIDATES = 2  # aim the sampled threshold at this many times k candidates
+
+
+def _fraction_ppb(fraction: float) -> int:
+    if not isinstance(fraction, int | float) or not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    ppb = round(fraction * _PPB)
+    if ppb < 1:
+        raise ValueError(f"fraction below 1e-9: {fraction!r}")
+    return ppb
+
+
+def kept_count(n: int, ppb: int) -> int:
+    """k for a chunk of n elements: round(n * fraction), at least 1 (if n > 0), at most n."""
+    if n == 0:
+        return 0
+    return min(n, max(1, (n * ppb + _PPB // 2) // _PPB))
+
+
+def _check_values(values: str) -> int:
+    if values not in VALUE_TYPES:
+        raise ValueError(f"values must be one of {sorted(VALUE_TYPES)}, got {values!r}")
+    return VALUE_TYPES[values][1]
+
+
+def _pack_values(v: np.ndarray, dst: np.ndarray, values: str) -> None:
+    """Write float32 values `v` into the uint8 section `dst` in the wire value type."""
+    if values == "fp32":
+        np.copyto(dst.view(np.float32), v)
+    elif values == "fp16":
+        f32_to_f16_bits(v, dst.view(np.uint16))
+    else:
+        f32_to_bf16_bits(v, dst.view(np.uint16))
+
+
+def _unpack_values(src: np.ndarray, values: str, what: str) -> np.ndarray:
+    """The float32 values of a uint8 section; CodecError if any is not finite."""
+    if values == "fp32":
+        v = src.view(np.float32)
+        if not all_finite(v):
+            raise CodecError(f"{what}: non-finite value")
+        return v
+    bits = src.view(np.uint16)
+    out = np.empty(bits.shape[0], np.float32)
+    if values == "fp16":
+        if max_magnitude_bits(bits) >= 0x7C00:
+            raise CodecError(f"{what}: non-finite value")
+        f16_bits_to_f32(bits, out)
+    else:
+        if max_magnitude_bits(bits) >= 0x7F80:
+            raise CodecError(f"{what}: non-finite value")
+        bf16_bits_to_f32(bits, out)
+    return out
+
+
+def _top_among(candidates: np.ndarray | None, magnitude: np.ndarray, k: int) -> np.ndarray:
+    """Sorted positions of the k largest magnitudes (ties: lowest position first) among the
+    candidates (sorted positions; None means all of 0..len-1)."""
+    m = magnitude.shape[0]
+    if m == k:
+        keep = np.ones(m, bool)
+    else:
+        kth = np.partition(magnitude, m - k)[m - k]
+        keep = magnitude > kth
+        missing = k - int(np.count_nonzero(keep))
+        if missing:
+            keep[np.flatnonzero(magnitude == kth)[:missing]] = True
+    return np.flatnonzero(keep) if candidates is None else candidates[keep]
+
+
+@dataclass(frozen=True, slots=True)
+class TopK(Codec):
+    """The k = round(fraction * n) largest magnitudes, positions block-coded, values in
+    `values` (2 bytes for fp16/bf16: 4 bytes per kept value plus 4 per 65536 positions)."""
+
+    fraction: float = 0.01  # share of elements kept, in (0, 1]
+    values: str = "fp16"  # wire type of the kept values: "fp16", "bf16" or "fp32"
+    exact: bool = False  # full partition instead of a sampled threshold: same result, slower
+    _ppb: int = field(init=False, repr=False, compare=False)
+
+    name: ClassVar[str] = "topk"
+    codec_id: ClassVar[int] = 4
+    biased: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_ppb", _fraction_ppb(self.fraction))
+        _check_values(self.values)
+        if not isinstance(self.exact, bool):
+            raise ValueError("exact must be a bool")
+
+    def pack_params(self) -> bytes:
+        return struct.pack("<IB3x", self._ppb, VALUE_TYPES[self.values][0])
+
+    @classmethod
+    def unpack_params(cls, raw: bytes) -> Codec:
+        ppb, code = struct.unpack("<IB3x", raw)
+        values = VALUE_TYPE_NAMES.get(code)
+        if values is None or not 1 <= ppb <= _PPB:
+            raise CodecError(f"topk: bad parameters (fraction {ppb}e-9, value type {code})")
+        return cls._checked_unpack(raw, fraction=ppb / _PPB, values=values)
+
+    def k(self, n: int) -> int:
+        """Elements kept from a chunk of n."""
+        return kept_count(n, self._ppb)
+
+    def encoded_size(self, n: int) -> int:
+        return 4 * ceil_div(n, POSITION_BLOCK) + self.k(n) * (2 + VALUE_TYPES[self.values][1])
+
+    def select(self, x: np.ndarray, seed: int = 0) -> np.ndarray:
+        """Sorted positions of the k largest magnitudes of chunk x (what `encode` keeps)."""
+        n, k = x.shape[0], self.k(x.shape[0])
+        sample = min(n, max(_MIN_SAMPLE, math.ceil(32 * _PPB / self._ppb)))
+        if self.exact or k == n or 4 * sample >= n:
+            return _top_among(None, np.abs(x), k)
+        draws = bit_stream(seed).random_raw(sample)
+        positions = ((draws >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32)
+        sampled = np.abs(x[positions])
+        above = math.ceil(sample * min(1.0, _CANDIDATES * k / n))  # sampled values >= thr
+        rank = sample - above
+        threshold = np.partition(sampled, rank)[rank]
+        parts = []
+        magnitude = np.empty(min(n, BLOCK), np.float32)
+        mask = np.empty(min(n, BLOCK), bool)
+        for start, stop in blocks(n):
+            a, m = magnitude[: stop - start], mask[: stop - start]
+            np.abs(x[start:stop], out=a)
+            np.greater_equal(a, threshold, out=m)
+            found = np.flatnonzero(m)
+            if found.size:
+                parts.append(found + start)
+        candidates = np.concatenate(parts) if parts else np.empty(0, np.intp)
+        if candidates.shape[0] < k:  # the sample overestimated the threshold (rare)
+            return _top_among(None, np.abs(x), k)
+        return _top_among(candidates, np.abs(x[candidates]), k)
+
+    def _encode_into(self, x: np.ndarray, dst: np.ndarray, seed: int) -> None:
+        n, k = x.shape[0], self.k(x.shape[0])
+        counts, offsets, vals = sections(
+            dst,
+            (np.uint32, ceil_div(n, POSITION_BLOCK)),
+            (np.uint16, k),
+            (np.uint8, k * VALUE_TYPES[self.values][1]),
+        )
+        positions = self.select(x, seed)
+        np.copyto(counts, np.bincount(positions >> 16, minlength=counts.shape[0]), "unsafe")
+        np.copyto(offsets, positions & 0xFFFF, "unsafe")
+        _pack_values(x[positions], vals, self.values)
+
+    def positions(self, data: np.ndarray, n: int) -> np.ndarray:
+        """The validated, strictly increasing positions in a payload for a chunk of n."""
+        k = self.k(n)
+        counts, offsets = sections(
+            data[: 4 * ceil_div(n, POSITION_BLOCK) + 2 * k],
+            (np.uint32, ceil_div(n, POSITION_BLOCK)),
+            (np.uint16, k),
+        )
+        total = int(counts.sum(dtype=np.uint64))
+        if total != k:
+            raise CodecError(f"topk: block counts sum to {total}, expected k={k}")
+        bases = np.arange(counts.shape[0], dtype=np.int64) << 16
+        pos = np.repeat(bases, counts.astype(np.intp)) + offsets
+        if k and pos[-1] >= n:
+            raise CodecError(f"topk: position {int(pos[-1])} out of range for {n} elements")
+        if k > 1 and not (pos[1:] > pos[:-1]).all():
+            raise CodecError("topk: positions not strictly increasing")
+        return pos
+
+    def _parse(self, data: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Validated (positions, float32 values) of a payload for a chunk of n."""
+        pos = self.positions(data, n)
+        start = 4 * ceil_div(n, POSITION_BLOCK) + 2 * pos.shape[0]
+        return pos, _unpack_values(data[start:], self.values, "topk")
+
+    def _decode_into(self, data: np.ndarray, out: np.ndarray, weight: float, seed: int) -> None:
+        pos, vals = self._parse(data, out.shape[0])
+        check_decoded_scale(max_abs(vals), weight, "topk")
+        out[pos] += vals * np.float32(weight)
+
+    def sq_norm(self, payload, n: int, seed: int = 0) -> float:
+        _, vals = self._parse(self.payload_view(payload, n), n)
+        return float(np.dot(vals.astype(np.float64), vals))
+
+
+@dataclass(frozen=True, slots=True)
+class RandomK(Codec):
+    """k = round(fraction * n) elements at seeded stratified positions; only values travel."""
+
+    fraction: float = 0.01  # share of elements kept, in (0, 1]
+    values: str = "fp32"  # wire type of the values: "fp32", "fp16" or "bf16"
+    scale: bool = False  # multiply decoded values by 1/P(kept) (unbiased, but spiky)
+    _ppb: int = field(init=False, repr=False, compare=False)
+
+    name: ClassVar[str] = "randomk"
+    codec_id: ClassVar[int] = 5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_ppb", _fraction_ppb(self.fraction))
+        _check_values(self.values)
+        if not isinstance(self.scale, bool):
+            raise ValueError("scale must be a bool")
+
+    @property
+    def biased(self) -> bool:  # type: ignore[override]
+        return not self.scale
+
+    def pack_params(self) -> bytes:
+        return struct.pack("<IBB2x", self._ppb, VALUE_TYPES[self.values][0], int(self.scale))
+
+    @classmethod
+    def unpack_params(cls, raw: bytes) -> Codec:
+        ppb, code, scale = struct.unpack("<IBB2x", raw)
+        values = VALUE_TYPE_NAMES.get(code)
+        if values is None or not 1 <= ppb <= _PPB or scale > 1:
+            raise CodecError(f"randomk: bad parameters ({ppb}e-9, type {code}, scale {scale})")
+        return cls._checked_unpack(raw, fraction=ppb / _PPB, values=values, scale=bool(scale))
+
+    def k(self, n: int) -> int:
+        """Elements kept from a chunk of n."""
+        return kept_count(n, self._ppb)
+
+    def encoded_size(self, n: int) -> int:
+        return self.k(n) * VALUE_TYPES[self.values][1]
+
+    def select(self, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, stratum lengths) for a chunk of n: stratum j is [j*n//k, (j+1)*n//k),
+        and its position is drawn from the top 32 bits of the j-th raw draw of the seed."""
+        k = self.k(n)
+        bounds = (np.arange(k + 1, dtype=np.uint64) * np.uint64(n)) // np.uint64(max(k, 1))
+        lengths = bounds[1:] - bounds[:-1]
+        draws = bit_stream(seed).random_raw(k) >> np.uint64(32)
+        positions = bounds[:-1] + ((draws * lengths) >> np.uint64(32))
+        return positions.astype(np.intp), lengths
+
+    def _encode_into(self, x: np.ndarray, dst: np.ndarray, seed: int) -> None:
+        positions, _ = self.select(x.shape[0], seed)
+        _pack_values(x[positions], dst, self.values)
+
+    def _parse(self, data: np.ndarray, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """Validated (positions, decoded float32 values) of a payload for a chunk of n."""
+        vals = _unpack_values(data, self.values, "randomk")
+        positions, lengths = self.select(n, seed)
+        if self.scale:
+            with np.errstate(over="ignore"):  # an overflow is refused by the caller
+                vals = vals * lengths.astype(np.float32)
+        return positions, vals
+
+    def _decode_into(self, data: np.ndarray, out: np.ndarray, weight: float, seed: int) -> None:
+        positions, vals = self._parse(data, out.shape[0], seed)
+        check_decoded_scale(max_abs(vals), weight, "randomk")
+        out[positions] += vals * np.float32(weight)
+
+    def sq_norm(self, payload, n: int, seed: int = 0) -> float:
+        _, vals = self._parse(self.payload_view(payload, n), n, seed)
+        check_decoded_scale(max_abs(vals), 1.0, "randomk")
+        return float(np.dot(vals.astype(np.float64), vals))

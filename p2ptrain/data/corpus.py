@@ -1,0 +1,93 @@
+"""Loading a corpus of byte tokens and splitting it into training and held-out parts.
+
+Accepted sources: the built-in Tiny Shakespeare (no path), a text file, a directory of text
+files (read in sorted order, joined by a newline), or a `.npy` array of integer tokens. Text is
+read as raw bytes: the vocabulary is the 256 byte values. Every failure is a DataError with a
+one-line message naming the path and the problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+VOCAB_SIZE = 256
+BUILTIN_NAME = "tinyshakespeare"
+TEXT_SUFFIXES = {".txt", ".md", ".text", ".rst", ".csv", ".json", ".py", ".tex", ""}
+
+
+class DataError(Exception):
+    """The data source cannot be used; the message says why, in one line."""
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Token ids (uint8 for bytes) split into train and held-out parts."""
+
+    name: str  # where it came from: "tinyshakespeare" or a path
+    train: np.ndarray  # (N_train,) tokens
+    heldout: np.ndarray  # (N_heldout,) tokens: the last `holdout_fraction` of the source
+
+
+def _builtin_bytes() -> bytes:
+    return resources.files("p2ptrain.data").joinpath("tinyshakespeare.txt").read_bytes()
+
+
+def _read_tokens(path: Path) -> np.ndarray:
+    if not path.exists():
+        raise DataError(f"data path {path} does not exist")
+    try:
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+            if not files:
+                raise DataError(f"data directory {path} holds no text files")
+            blob = b"\n".join(p.read_bytes() for p in files)
+            return np.frombuffer(blob, dtype=np.uint8)
+        if path.suffix == ".npy":
+            return _read_npy(path)
+        return np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    except PermissionError as exc:
+        msg = f"data path {exc.filename or path} is not readable (permission denied)"
+        raise DataError(msg) from None
+    except IsADirectoryError as exc:
+        raise DataError(f"data path {exc.filename or path} cannot be read as a file") from None
+    except OSError as exc:
+        raise DataError(f"data path {path} cannot be read: {exc.strerror or exc}") from None
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    try:
+        arr = np.load(path, allow_pickle=False, mmap_mode="r")
+    except ValueError as exc:
+        raise DataError(f"{path} is not a valid .npy token array: {exc}") from None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise DataError(f"{path}: expected a 1-D integer token array, got {arr.dtype} {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= VOCAB_SIZE):
+        raise DataError(f"{path}: token ids must lie in 0..{VOCAB_SIZE - 1} (byte vocabulary)")
+    return np.ascontiguousarray(arr, dtype=np.uint8)
+
+
+def load_corpus(path: str | None, holdout_fraction: float, min_tokens: int) -> Corpus:
+    """Load `path` (None or "" for the built-in corpus) and split off the held-out tail.
+
+    `min_tokens` is the smallest usable split (one training window plus its target)."""
+    if not 0.0 < holdout_fraction < 1.0:
+        raise DataError(f"holdout fraction must lie in (0, 1), got {holdout_fraction}")
+    if path:
+        p = Path(path).expanduser()
+        tokens, name = _read_tokens(p), str(p)
+    else:
+        tokens, name = np.frombuffer(_builtin_bytes(), dtype=np.uint8), BUILTIN_NAME
+    if tokens.size == 0:
+        raise DataError(f"data source {name} is empty")
+    cut = int(round(tokens.size * (1.0 - holdout_fraction)))
+    train, heldout = tokens[:cut], tokens[cut:]
+    if train.size < min_tokens or heldout.size < min_tokens:
+        raise DataError(
+            f"data source {name} is too small: {tokens.size} tokens; each split needs at least "
+            f"{min_tokens} (one window of the model's context)"
+        )
+    return Corpus(name=name, train=train, heldout=heldout)

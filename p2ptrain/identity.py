@@ -1,0 +1,79 @@
+"""A node's identity: an Ed25519 key pair kept in its state directory.
+
+The key is made on first start (file mode 0600); the node id is the first 16 bytes of the
+SHA-256 of the raw public key, as 32 hex characters (safe in mDNS instance names). The
+incarnation number is bumped at every start, so peers can tell a restarted node from a stale
+message of its previous life.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from p2ptrain.fsutil import atomic_write_bytes
+
+KEY_FILE = "identity.key"
+INCARNATION_FILE = "incarnation"
+
+
+class IdentityError(Exception):
+    """The state directory's identity cannot be used; the message says why."""
+
+
+def node_id_of(public_key: bytes) -> str:
+    return hashlib.sha256(public_key).digest()[:16].hex()
+
+
+@dataclass(frozen=True)
+class Identity:
+    private_key: Ed25519PrivateKey
+    public_key: bytes  # raw 32 bytes
+    node_id: str  # 32 hex chars
+    incarnation: int  # bumped at every start
+
+    def sign(self, data: bytes) -> bytes:
+        return self.private_key.sign(data)
+
+
+def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def load_or_create(state_dir: Path, bump_incarnation: bool = True) -> Identity:
+    """The identity of the node whose state lives in `state_dir` (created when absent)."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        msg = f"cannot create state directory {state_dir}: {exc.strerror or exc}"
+        raise IdentityError(msg) from None
+    key_path = state_dir / KEY_FILE
+    if key_path.exists():
+        raw = key_path.read_bytes()
+        if len(raw) != 32:
+            raise IdentityError(f"{key_path} is not a 32-byte Ed25519 private key; move it away")
+        private = Ed25519PrivateKey.from_private_bytes(raw)
+    else:
+        private = Ed25519PrivateKey.generate()
+        atomic_write_bytes(key_path, private.private_bytes_raw(), mode=0o600)
+    public = private.public_key().public_bytes_raw()
+    inc_path = state_dir / INCARNATION_FILE
+    incarnation = 0
+    if inc_path.exists():
+        try:
+            incarnation = int(inc_path.read_text().strip() or 0)
+        except ValueError:
+            msg = f"{inc_path} does not hold an integer; remove it to reset"
+            raise IdentityError(msg) from None
+    if bump_incarnation:
+        incarnation += 1
+        atomic_write_bytes(inc_path, f"{incarnation}\n".encode())
+    return Identity(private, public, node_id_of(public), incarnation)

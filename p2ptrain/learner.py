@@ -1,0 +1,149 @@
+"""A node's training state and its local step: parameters, gradient, AdamW, data position,
+swarm sample count.
+
+This is the pure part of training: `train_step()` draws the next batch, computes the
+gradient (accumulating micro-batches), clips it, and applies AdamW at the learning rate the
+swarm sample count gives. It never reads the clock or touches a file or socket, so the
+runtime can run it in a worker thread and the simulator can charge modelled time for it.
+Snapshots for checkpoints are views of the live buffers; `restore` loads one back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from p2ptrain import checkpoint
+from p2ptrain.data import Corpus, Sampler, eval_windows
+from p2ptrain.data.sampler import shard_seed
+from p2ptrain.models import Model, fingerprint
+from p2ptrain.optim import AdamW, Schedule, clip_global_norm
+from p2ptrain.swarmcount import SwarmCount
+
+EVAL_BATCH = 32  # held-out windows per forward pass
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    loss: float  # mean training loss of the step's batch (nats/token)
+    grad_norm: float  # global gradient norm before clipping
+    lr: float  # learning rate applied
+    samples: int  # samples (windows) in the step
+    tokens: int  # tokens predicted in the step
+
+
+class Learner:
+    def __init__(self, model: Model, node_id: str, train: SimpleNamespace, corpus: Corpus,
+                 batch: int, accum: int, eval_count: int):
+        if batch < 1 or accum < 1 or batch % accum:
+            raise ValueError(f"batch {batch} must be a positive multiple of accum {accum}")
+        self.model = model
+        self.node_id = node_id
+        self.batch, self.accum = batch, accum
+        self.fingerprint = fingerprint(model)
+        space = model.space
+        self.params = space.zeros()
+        model.init_params(self.params, np.random.default_rng(train.seed))  # same on every node
+        self.grad = space.zeros()
+        self._micro_grad = space.zeros() if accum > 1 else self.grad
+        self.opt = AdamW(space, train.beta1, train.beta2, weight_decay=train.weight_decay)
+        self.schedule = Schedule(train.lr, train.warmup_samples, train.total_samples,
+                                 train.min_lr_ratio)
+        self.grad_clip = train.grad_clip
+        self.total_samples = train.total_samples
+        self.sampler = Sampler(corpus.train, model.ctx_len + 1, shard_seed(node_id, train.seed))
+        self.heldout = eval_windows(corpus.heldout, model.ctx_len + 1, eval_count)
+        self.count = SwarmCount()
+        self.step = 0  # local steps taken
+        self.samples = 0  # local samples trained on
+
+    @property
+    def swarm_samples(self) -> int:
+        return self.count.total
+
+    @property
+    def finished(self) -> bool:
+        """The swarm has trained the whole run (`train.total_samples`)."""
+        return self.count.total >= self.total_samples
+
+    def train_step(self) -> StepResult:
+        micro = self.batch // self.accum
+        loss = 0.0
+        for i in range(self.accum):
+            tokens = self.sampler.next_batch(micro)
+            loss += self.model.loss_and_grad(self.params, tokens, self._micro_grad)
+            if self.accum > 1:
+                if i == 0:
+                    np.copyto(self.grad, self._micro_grad)
+                else:
+                    self.grad += self._micro_grad
+        if self.accum > 1:
+            self.grad *= 1.0 / self.accum
+        norm = clip_global_norm(self.grad, self.grad_clip)
+        if not np.isfinite(norm):
+            raise FloatingPointError(f"gradient norm is {norm} at step {self.step}")
+        lr = self.schedule.lr(self.count.total)
+        self.opt.step(self.params, self.grad, lr)
+        self.step += 1
+        self.samples += self.batch
+        self.count.add(self.node_id, self.batch)
+        return StepResult(loss / self.accum, norm, lr, self.batch, self.batch * self.model.ctx_len)
+
+    def evaluate(self) -> float:
+        """Mean held-out loss (nats/token) over the fixed evaluation windows."""
+        total, n = 0.0, 0
+        for start in range(0, len(self.heldout), EVAL_BATCH):
+            chunk = self.heldout[start : start + EVAL_BATCH]
+            total += self.model.loss(self.params, chunk) * len(chunk)
+            n += len(chunk)
+        return total / n
+
+    def snapshot(self, term: int) -> checkpoint.Snapshot:
+        space = self.model.space
+        return checkpoint.Snapshot(
+            step=self.step,
+            term=term,
+            swarm_count=self.count.as_dict(),
+            fingerprint=self.fingerprint,
+            arch=self.model.arch(),
+            model_tensors=[(s.name, space.view(self.params, s.name)) for s in space],
+            state_tensors=[("adam.m", self.opt.m), ("adam.v", self.opt.v)],
+            state_meta={"step": self.step, "samples": self.samples, "adam_t": self.opt.t,
+                        "node_id": self.node_id, "data": self.sampler.position()},
+        )
+
+    def restore(self, path: Path, manifest: dict, with_state: bool = True) -> None:
+        """Load weights (and, with_state, optimiser moments and data position) from a verified
+        checkpoint. Everything is checked before the live buffers change."""
+        space = self.model.space
+        params = space.zeros()
+        checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(params))
+        if not np.isfinite(params).all():
+            raise checkpoint.CheckpointError(f"{path.name}: weights hold non-finite values")
+        count = SwarmCount(manifest.get("swarm_count") or {})
+        if with_state:
+            m, v = space.zeros(), space.zeros()
+            metadata = checkpoint.load_tensors(path, checkpoint.STATE_FILE,
+                                               {"adam.m": m, "adam.v": v})
+            meta = checkpoint.state_meta(metadata)
+            try:
+                step, samples, adam_t = int(meta["step"]), int(meta["samples"]), int(meta["adam_t"])
+                data = meta["data"]
+                epoch, index = int(data["epoch"]), int(data["index"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise checkpoint.CheckpointError(f"{path.name}: bad resume data ({exc})") from None
+            same_node = meta.get("node_id") == self.node_id
+        np.copyto(self.params, params)
+        self.count = count
+        if with_state:
+            np.copyto(self.opt.m, m)
+            np.copyto(self.opt.v, v)
+            self.opt.t = adam_t
+            self.step = step
+            self.samples = samples
+            if same_node:  # another node's data position means nothing for our shard
+                self.sampler = Sampler(self.sampler.tokens, self.sampler.window,
+                                       self.sampler.seed, epoch, index)

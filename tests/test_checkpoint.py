@@ -1,0 +1,96 @@
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from p2ptrain import checkpoint
+from p2ptrain.identity import load_or_create
+from p2ptrain.params import ParamSpace
+
+
+def make_snapshot(space, params, step, fingerprint="fp1", term=0):
+    return checkpoint.Snapshot(
+        step=step, term=term, swarm_count={"n1": step * 10}, fingerprint=fingerprint,
+        arch={"model": "test"},
+        model_tensors=[(s.name, space.view(params, s.name)) for s in space],
+        state_tensors=[("adam.m", params * 2)], state_meta={"step": step})
+
+
+@pytest.fixture
+def setup(tmp_path):
+    space = ParamSpace([("a.w", (40, 30)), ("a.b", (30,)), ("z", (3, 1, 5))])
+    params = np.random.default_rng(0).normal(size=space.size).astype(np.float32)
+    ident = load_or_create(tmp_path / "state")
+    return space, params, ident, tmp_path / "state" / "checkpoints"
+
+
+def test_roundtrip_and_the_safetensors_library_reads_the_weights(setup):
+    space, params, ident, root = setup
+    path = checkpoint.save(root, make_snapshot(space, params, 5), ident, keep=3)
+    found = checkpoint.find_latest(root, "fp1")
+    assert found.path == path and found.skipped == [] and found.manifest["step"] == 5
+    assert found.manifest["leader"] == ident.node_id and found.manifest["swarm_samples"] == 50
+    lib = load_file(str(path / checkpoint.MODEL_FILE))
+    for s in space:
+        np.testing.assert_array_equal(lib[s.name], space.view(params, s.name))
+    out = space.zeros()
+    checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(out))
+    for s in space:  # (padding between tensors is not part of the model)
+        np.testing.assert_array_equal(space.view(out, s.name), space.view(params, s.name))
+    m = space.zeros()
+    meta = checkpoint.load_tensors(path, checkpoint.STATE_FILE, {"adam.m": m})
+    np.testing.assert_array_equal(m, params * 2)
+    assert checkpoint.state_meta(meta) == {"step": 5}
+
+
+def test_keeps_the_newest_k(setup):
+    space, params, ident, root = setup
+    for step in range(1, 6):
+        checkpoint.save(root, make_snapshot(space, params, step), ident, keep=2)
+    assert [p.name for p in checkpoint.list_checkpoints(root)] == [
+        "ckpt-t000000-s0000000005", "ckpt-t000000-s0000000004"]
+
+
+def corrupt_byte(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,reason", [
+    (lambda p: corrupt_byte(p / checkpoint.MODEL_FILE, -3), "does not match its hash"),
+    (lambda p: (p / checkpoint.MODEL_FILE).write_bytes(
+        (p / checkpoint.MODEL_FILE).read_bytes()[:1000]), "truncated"),
+    (lambda p: (p / checkpoint.STATE_FILE).unlink(), "cannot be read"),
+    (lambda p: (p / "manifest.json").unlink(), "no manifest"),
+    (lambda p: (p / "manifest.json").write_text("{"), "unreadable manifest"),
+    (lambda p: (p / "manifest.json").write_text(
+        json.dumps({**json.loads((p / "manifest.json").read_text()), "step": 99})),
+     "signature does not verify"),
+])
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_good_one(setup, damage, reason):
+    space, params, ident, root = setup
+    good = checkpoint.save(root, make_snapshot(space, params, 1), ident, keep=3)
+    bad = checkpoint.save(root, make_snapshot(space, params + 1, 2), ident, keep=3)
+    damage(bad)
+    found = checkpoint.find_latest(root, "fp1")
+    assert found.path == good
+    assert len(found.skipped) == 1 and reason in found.skipped[0]
+
+
+def test_another_models_checkpoint_is_an_error(setup):
+    space, params, ident, root = setup
+    checkpoint.save(root, make_snapshot(space, params, 1, fingerprint="other"), ident, keep=3)
+    with pytest.raises(checkpoint.CheckpointMismatch, match="another model"):
+        checkpoint.find_latest(root, "fp1")
+
+
+def test_loading_refuses_a_shape_mismatch_before_writing(setup):
+    space, params, ident, root = setup
+    path = checkpoint.save(root, make_snapshot(space, params, 1), ident, keep=3)
+    other = ParamSpace([("a.w", (30, 40)), ("a.b", (30,)), ("z", (3, 1, 5))])
+    out = other.zeros()
+    with pytest.raises(checkpoint.CheckpointError, match="expected"):
+        checkpoint.load_tensors(path, checkpoint.MODEL_FILE, other.views(out))
+    assert not out.any()

@@ -1,0 +1,124 @@
+"""The real `p2ptrain` command in subprocesses: training, resuming, bad input, sample, show."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, cli_env, run_cli
+
+
+def events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_join_trains_checkpoints_and_resumes(tmp_path, small_mlp_config):
+    state = tmp_path / "state"
+    args = ["join", "--config", str(small_mlp_config), "--state-dir", str(state),
+            "--log-format", "json", "--steps", "30"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    ev = events(first.stdout)
+    assert any(e["event"] == "start" for e in ev) and ev[-1]["event"] == "stopped"
+    assert ev[-1]["step"] == 30 and ev[-1]["eval_loss"] < 5.0
+    assert any(e["event"] == "checkpoint" and e["final"] for e in ev)
+    second = run_cli(*args)
+    assert second.returncode == 0, second.stderr
+    ev2 = events(second.stdout)
+    assert any(e["event"] == "resumed" and e["step"] == 30 for e in ev2)
+    assert ev2[-1]["step"] == 60
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["join", "--data", "/definitely/missing.txt"], {},
+     "data path /definitely/missing.txt does not exist"),
+    (["join", "--batch", "many"], {}, "train.batch = 'many' is not valid"),
+    (["join", "--model", "gpt9"], {}, "one of rwkv, mlp"),
+    (["join"], {"P2PTRAIN_BACH": "3"}, "unknown variable P2PTRAIN_BACH"),
+    (["join", "--config", "/nope.toml"], {}, "config file /nope.toml does not exist"),
+    (["sample", "--checkpoint", "/nope"], {}, "does not exist"),
+])
+def test_bad_input_is_one_line_without_traceback(tmp_path, args, env, message):
+    state = ["--state-dir", str(tmp_path)] if args[0] == "join" else []
+    r = run_cli(*args, *state, env=cli_env(**env), timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr
+
+
+def test_empty_corpus_and_config_typo(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    r = run_cli("join", "--data", str(empty), "--state-dir", str(tmp_path / "s"))
+    assert r.returncode == 2 and "is empty" in r.stderr and "Traceback" not in r.stderr
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[train]\nlearning_rate = 0.1\n")
+    r = run_cli("join", "--config", str(typo), "--state-dir", str(tmp_path / "s"))
+    assert r.returncode == 2 and "unknown key 'train.learning_rate'" in r.stderr
+
+
+def test_checkpoint_of_another_model_shape_is_refused(tmp_path, small_mlp_config):
+    state = tmp_path / "state"
+    assert run_cli("join", "--config", str(small_mlp_config), "--state-dir", str(state),
+                   "--steps", "2").returncode == 0
+    r = run_cli("join", "--config", str(small_mlp_config), "--state-dir", str(state),
+                "--steps", "2", env=cli_env(P2PTRAIN_MODEL_MLP_N_HIDDEN="48"))
+    assert r.returncode == 2 and "another model" in r.stderr and "n_hidden=32" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_sample_prints_generated_text(tmp_path, small_mlp_config):
+    state = tmp_path / "state"
+    assert run_cli("join", "--config", str(small_mlp_config), "--state-dir", str(state),
+                   "--steps", "5").returncode == 0
+    r = subprocess.run([sys.executable, "-m", "p2ptrain", "sample", "--checkpoint", str(state),
+                        "--prompt", "ROMEO:", "--length", "50"], capture_output=True,
+                       env=cli_env(), cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(b"ROMEO:") and len(r.stdout) == len("ROMEO:") + 50 + 1
+
+
+def test_config_show_hw_and_bench_json(tmp_path):
+    r = run_cli("config", "show", "--batch", "12", env=cli_env(P2PTRAIN_LR="0.01"))
+    assert r.returncode == 0
+    assert "batch = 12" in r.stdout and "# flag --batch" in r.stdout
+    assert "# env P2PTRAIN_LR" in r.stdout
+    r = run_cli("hw", "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and doc["cpus"] >= 1 and doc["batch"] >= 1 and doc["matmul_gflops"] > 0
+    r = run_cli("bench", "--model", "mlp", "--seconds", "0.5", "--size", "8", "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and doc["tokens_per_s"] > 0 and 0 < doc["ratio"] < 2
+
+
+def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path, small_mlp_config):
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "p2ptrain", "join", "--config", str(small_mlp_config),
+         "--state-dir", str(state), "--log-format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env=cli_env(P2PTRAIN_LOG_EVERY_SECONDS="0.1"))
+    try:
+        deadline = time.monotonic() + 120
+        seen = []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(json.loads(line))
+            if seen[-1]["event"] == "progress":
+                break
+        assert seen and seen[-1]["event"] == "progress", seen
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    ev = events(out)
+    assert any(e["event"] == "checkpoint" and e["final"] for e in ev)
+    assert ev[-1]["event"] == "stopped" and ev[-1]["reason"] == "SIGTERM"

@@ -1,0 +1,67 @@
+import tomllib
+
+import pytest
+
+from p2ptrain.config import OPTIONS, ConfigError, resolve, to_toml
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\nbatch = 4\nlr = 0.5\nseed = 9\n")
+    cfg = resolve(str(f), {"P2PTRAIN_BATCH": "16", "P2PTRAIN_LR": "0.25"}, {"train.batch": "32"})
+    assert cfg["train.batch"] == 32 and cfg.sources["train.batch"] == "flag --batch"
+    assert cfg["train.lr"] == 0.25 and cfg.sources["train.lr"] == "env P2PTRAIN_LR"
+    assert cfg["train.seed"] == 9 and cfg.sources["train.seed"] == f"file {f}"
+    assert cfg["train.accum"] == OPTIONS["train.accum"].default
+    assert cfg.sources["train.accum"] == "default"
+
+
+def test_keys_without_flags_have_environment_variables():
+    assert OPTIONS["checkpoint.keep"].env == "P2PTRAIN_CHECKPOINT_KEEP"
+    assert OPTIONS["node.state_dir"].env == "P2PTRAIN_STATE_DIR"
+    cfg = resolve(None, {"P2PTRAIN_CHECKPOINT_KEEP": "7", "P2PTRAIN_MODEL_RWKV_N_LAYER": "2"}, {})
+    assert cfg["checkpoint.keep"] == 7 and cfg.model_config().n_layer == 2
+
+
+def test_unknown_key_is_named_with_a_suggestion(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\nbacth = 4\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'train.bacth'.*'train.batch'"):
+        resolve(str(f), {}, {})
+    with pytest.raises(ConfigError, match="P2PTRAIN_BATCH"):
+        resolve(None, {"P2PTRAIN_BACTH": "1"}, {})
+
+
+@pytest.mark.parametrize("key,raw,match", [
+    ("model.name", "gpt9", "one of rwkv, mlp"),
+    ("train.batch", "-1", "integer >= 0"),
+    ("train.lr", "fast", "a number"),
+    ("log.format", "xml", "one of text, json"),
+    ("train.duration", "nan", "a number"),
+])
+def test_bad_values_name_the_key_and_what_is_accepted(key, raw, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        resolve(None, {}, {key: raw})
+    assert key in str(err.value)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        resolve(str(f), {}, {})
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve(str(tmp_path / "nope.toml"), {}, {})
+    f.write_text('[train]\nbatch = "eight"\n')
+    with pytest.raises(ConfigError, match="train.batch"):
+        resolve(str(f), {}, {})
+
+
+def test_show_output_is_toml_that_resolves_to_the_same_values(tmp_path):
+    cfg = resolve(None, {"P2PTRAIN_DATA": 'a "quoted" path'}, {"train.steps": "5"})
+    text = to_toml(cfg)
+    assert "# flag --steps" in text and "# env P2PTRAIN_DATA" in text
+    f = tmp_path / "again.toml"
+    f.write_text(to_toml(cfg, with_sources=False))
+    assert tomllib.loads(text)  # comments included, still TOML
+    assert resolve(str(f), {}, {}).values == cfg.values

@@ -1,0 +1,31 @@
+from p2ptrain.hw import Hardware, choose_batch, classify, parse_cpu_max, parse_memory_max
+
+
+def test_cgroup_files():
+    assert parse_cpu_max("max 100000") is None
+    assert parse_cpu_max("150000 100000") == 1.5
+    assert parse_cpu_max("garbage") is None and parse_cpu_max(None) is None
+    assert parse_memory_max("max") is None and parse_memory_max("1073741824") == 2**30
+
+
+def hw(arch, cpus, gib, gflops, battery=False):
+    mem = int(gib * 2**30)
+    return Hardware(arch, cpus, int(cpus), mem, None, None, gflops, battery,
+                    classify(arch, cpus, mem, gflops, battery))
+
+
+def test_device_classes():
+    assert hw("aarch64", 4, 3.5, 12).device_class == "rpi"
+    assert hw("x86_64", 8, 16, 150, battery=True).device_class == "laptop"
+    assert hw("x86_64", 4, 16, 100).device_class == "desktop"
+    assert hw("x86_64", 32, 128, 1500).device_class == "server"
+
+
+def test_batch_follows_speed_and_memory():
+    # the default rwkv: ~4 MFLOP/token x 128 tokens per sample, ~20 MB activations per sample
+    flops, act = 4.2e6 * 128, 20 * 2**20
+    assert choose_batch(hw("x86_64", 32, 128, 1500), flops, act, 1.0) == (128, 1)
+    assert choose_batch(hw("aarch64", 4, 3.5, 12), flops, act, 1.0)[0] == 4
+    assert choose_batch(hw("aarch64", 4, 3.5, 20), flops, act, 1.0)[0] == 8
+    batch, accum = choose_batch(hw("x86_64", 32, 1.0, 1500), flops, act, 1.0)
+    assert batch == 128 and accum > 1 and (batch // accum) * act <= 0.25 * 2**30

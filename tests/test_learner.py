@@ -1,0 +1,67 @@
+from types import SimpleNamespace
+
+import numpy as np
+
+from p2ptrain import checkpoint
+from p2ptrain.config import resolve
+from p2ptrain.data import load_corpus
+from p2ptrain.identity import load_or_create
+from p2ptrain.learner import Learner
+from p2ptrain.models import build_model
+from p2ptrain.models.mlp import MLPConfig
+
+
+def make(node_id="n1", **train_overrides):
+    cfg = resolve(None, {}, {})
+    train = SimpleNamespace(**{**vars(cfg.section("train")), "warmup_samples": 8,
+                               **train_overrides})
+    model = build_model("mlp", MLPConfig(n_hidden=32, n_embd=8, ctx_len=16))
+    corpus = load_corpus(None, 0.1, 20)
+    return Learner(model, node_id, train, corpus, batch=8, accum=1, eval_count=16)
+
+
+def test_training_lowers_the_held_out_loss():
+    learner = make()
+    before = learner.evaluate()
+    for _ in range(150):
+        learner.train_step()
+    after = learner.evaluate()
+    assert before > 5.0 and after < before - 1.5
+    assert learner.swarm_samples == 150 * 8 == learner.samples
+
+
+def test_accumulation_equals_one_big_batch():
+    a, b = make(), make()
+    b.accum = 4
+    b._micro_grad = b.model.space.zeros()
+    for _ in range(3):
+        a.train_step()
+        b.train_step()
+    np.testing.assert_allclose(a.params, b.params, rtol=1e-4, atol=1e-6)
+
+
+def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
+    ident = load_or_create(tmp_path)
+    straight = make(ident.node_id)
+    for _ in range(6):
+        straight.train_step()
+    first = make(ident.node_id)
+    for _ in range(3):
+        first.train_step()
+    path = checkpoint.save(tmp_path / "ck", first.snapshot(term=0), ident, keep=2)
+    resumed = make(ident.node_id)
+    resumed.restore(path, checkpoint.read_manifest(path))
+    assert resumed.step == 3 and resumed.swarm_samples == 24
+    for _ in range(3):
+        resumed.train_step()
+    np.testing.assert_array_equal(resumed.params, straight.params)
+    np.testing.assert_array_equal(resumed.opt.v, straight.opt.v)
+
+
+def test_run_finishes_at_total_samples():
+    learner = make(total_samples=20)
+    steps = 0
+    while not learner.finished:
+        learner.train_step()
+        steps += 1
+    assert steps == 3 and learner.swarm_samples == 24

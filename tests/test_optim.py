@@ -1,0 +1,49 @@
+import math
+
+import numpy as np
+
+from p2ptrain.optim import AdamW, Schedule, clip_global_norm, decay_mask
+from p2ptrain.params import ParamSpace
+
+
+def test_schedule_warms_up_then_decays_to_its_floor():
+    s = Schedule(peak_lr=1e-3, warmup_samples=100, total_samples=1000, min_ratio=0.1)
+    warm = [s.lr(n) for n in range(0, 100, 10)]
+    assert warm == sorted(warm) and warm[0] < 1e-4
+    assert math.isclose(s.lr(100), 1e-3)
+    decay = [s.lr(n) for n in range(100, 1001, 50)]
+    assert decay == sorted(decay, reverse=True)
+    assert math.isclose(s.lr(1000), 1e-4) and math.isclose(s.lr(10**9), 1e-4)
+    assert math.isclose(s.lr(550), 1e-4 + 0.5 * 9e-4)
+
+
+def reference_adamw(p, g, m, v, t, lr, b1, b2, eps, wd, mask):
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    mhat, vhat = m / (1 - b1**t), v / (1 - b2**t)
+    return p - lr * (mhat / (np.sqrt(vhat) + eps)) - lr * wd * mask * p, m, v
+
+
+def test_adamw_matches_the_textbook_update():
+    space = ParamSpace([("w", (4, 3)), ("b", (3,))])
+    rng = np.random.default_rng(0)
+    params = rng.normal(size=space.size).astype(np.float32)
+    ref = params.astype(np.float64)
+    m = np.zeros(space.size)
+    v = np.zeros(space.size)
+    mask = decay_mask(space, np.float64)
+    opt = AdamW(space, 0.9, 0.99, 1e-8, weight_decay=0.1)
+    for t in range(1, 6):
+        g = rng.normal(size=space.size).astype(np.float32)
+        opt.step(params, g, lr=0.01)
+        ref, m, v = reference_adamw(ref, g.astype(np.float64), m, v, t, 0.01, 0.9, 0.99, 1e-8,
+                                    0.1, mask)
+    np.testing.assert_allclose(params, ref, rtol=1e-5, atol=1e-6)
+    assert mask[space.slot("b").offset] == 0 and mask[space.slot("w").offset] == 1
+
+
+def test_clip_global_norm():
+    g = np.array([3.0, 4.0], dtype=np.float32)
+    assert clip_global_norm(g, 10.0) == 5.0 and g.tolist() == [3.0, 4.0]
+    assert clip_global_norm(g, 1.0) == 5.0
+    assert math.isclose(float(np.linalg.norm(g)), 1.0, rel_tol=1e-5)
