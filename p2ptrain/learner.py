@@ -70,6 +70,13 @@ class Learner:
         return self.count.total >= self.total_samples
 
     def train_step(self) -> StepResult:
+        """One local step alone: this node's gradient, applied as it is."""
+        loss = self.compute_gradient()
+        return self.apply_gradient(self.grad, loss)
+
+    def compute_gradient(self) -> float:
+        """Fill `self.grad` with the mean gradient over the next `batch` samples (in `accum`
+        micro-batches); returns their mean loss. Parameters are not changed."""
         micro = self.batch // self.accum
         loss = 0.0
         for i in range(self.accum):
@@ -82,15 +89,20 @@ class Learner:
                     self.grad += self._micro_grad
         if self.accum > 1:
             self.grad *= 1.0 / self.accum
-        norm = clip_global_norm(self.grad, self.grad_clip)
+        return loss / self.accum
+
+    def apply_gradient(self, grad: np.ndarray, loss: float) -> StepResult:
+        """Clip `grad` (in place) and take an AdamW step with it at the learning rate of the
+        current swarm sample count; credits this node's `batch` samples."""
+        norm = clip_global_norm(grad, self.grad_clip)
         if not np.isfinite(norm):
             raise FloatingPointError(f"gradient norm is {norm} at step {self.step}")
         lr = self.schedule.lr(self.count.total)
-        self.opt.step(self.params, self.grad, lr)
+        self.opt.step(self.params, grad, lr)
         self.step += 1
         self.samples += self.batch
         self.count.add(self.node_id, self.batch)
-        return StepResult(loss / self.accum, norm, lr, self.batch, self.batch * self.model.ctx_len)
+        return StepResult(loss, norm, lr, self.batch, self.batch * self.model.ctx_len)
 
     def evaluate(self) -> float:
         """Mean held-out loss (nats/token) over the fixed evaluation windows."""

@@ -1,0 +1,301 @@
+"""Push-pull parameter averaging between two nodes (step 4 of DESIGN.md's training algorithm).
+
+Each side snapshots the covered coordinates of its parameters, the snapshots cross, and each
+side applies `(x_peer - x_self) / 2`, computed from the two *snapshots*, to its *current*
+parameters: local steps taken while the exchange was in flight are kept, and because the two
+sides add exactly opposite float32 values (`fl(a - b) == -fl(b - a)`, halving is exact), the
+pair's sum is preserved up to the rounding of the final additions. With fp16 values a side
+rounds its own snapshot through the codec exactly as the peer will decode it, so both work
+from the same two rounded snapshots. A subset exchange covers a seeded stratified choice of
+runs of `block` consecutive coordinates; both sides derive it from the exchange's seed (carried
+in every chunk's seed field) with the codecs' version-stable bit stream, so only values travel.
+
+Sequence, initiator:  begin(params, seed) -> send messages() -> finish(params, reply).
+Sequence, responder:  respond(params, request) -> (report, reply): it applies at once.
+If the initiator never gets a valid reply it calls abort(); the responder has then moved alone
+(a one-sided half step toward the peer): harmless for training, but that pair's sum is off.
+
+This file owns the coordinate subset, the snapshot buffer and the update arithmetic. It never
+does I/O, never reads the clock, never draws from global random state, and after construction
+allocates nothing of the model's size (one snapshot buffer, reused; sub-block temporaries).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from p2ptrain.codecs import DEFAULT_CHUNK, Codec, CodecError, Message, make_codec, parse_message
+from p2ptrain.codecs.kernels import BLOCK, all_finite, bit_stream, blocks
+from p2ptrain.codecs.wire import Origin, chunk_bounds, encode_chunk
+
+# mode name -> (covers a subset, value type on the wire)
+AVERAGING_MODES: dict[str, tuple[bool, str]] = {
+    "full": (False, "fp32"),
+    "fp16": (False, "fp16"),
+    "subset": (True, "fp32"),
+    "subset_fp16": (True, "fp16"),
+}
+SUBSET_BLOCK = 256  # coordinates per run of a subset: cheap gathers, few index entries
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class AveragingPlan:
+    """Which coordinates an exchange covers and how their values travel."""
+
+    n: int  # length of the flat parameter vector
+    fraction: float = 1.0  # share of coordinates one exchange covers; 1.0 = all
+    values: str = "fp32"  # wire type of the values: "fp32" or "fp16"
+    block: int = SUBSET_BLOCK  # a subset is made of runs of this many coordinates
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.block < 1 or not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"bad averaging plan: n={self.n}, block={self.block}, "
+                             f"fraction={self.fraction}")
+        if self.values not in ("fp32", "fp16"):
+            raise ValueError(f"averaging values must be fp32 or fp16, not {self.values!r}")
+
+    @classmethod
+    def from_mode(cls, n: int, mode: str, subset_fraction: float = 0.1) -> AveragingPlan:
+        if mode not in AVERAGING_MODES:
+            raise ValueError(f"unknown averaging mode {mode!r}; known: "
+                             f"{', '.join(AVERAGING_MODES)}")
+        subset, values = AVERAGING_MODES[mode]
+        return cls(n, subset_fraction if subset else 1.0, values)
+
+    def codec(self) -> Codec:
+        return make_codec("fp16" if self.values == "fp16" else "none")
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.n // self.block)
+
+    @property
+    def k_blocks(self) -> int:
+        """Runs an exchange covers (n_blocks when it covers everything)."""
+        if self.fraction >= 1.0:
+            return self.n_blocks
+        return min(self.n_blocks, max(1, round(self.fraction * self.n_blocks)))
+
+    @property
+    def covers_all(self) -> bool:
+        return self.k_blocks >= self.n_blocks
+
+    @property
+    def capacity(self) -> int:
+        """Most coordinates one exchange covers (the snapshot buffer's length)."""
+        return self.n if self.covers_all else min(self.n, self.k_blocks * self.block)
+
+    def subset(self, seed: int) -> np.ndarray | None:
+        """Sorted indices of the runs the exchange with `seed` covers (None: everything).
+        Stratified: run j is drawn from stratum [j*N//k, (j+1)*N//k) of the N runs, from the
+        top 32 bits of the j-th raw draw of the codecs' stable bit stream."""
+        if self.covers_all:
+            return None
+        k, nb = self.k_blocks, self.n_blocks
+        bounds = (np.arange(k + 1, dtype=np.uint64) * np.uint64(nb)) // np.uint64(k)
+        lengths = bounds[1:] - bounds[:-1]
+        draws = bit_stream(seed & _MASK64).random_raw(k) >> np.uint64(32)
+        return (bounds[:-1] + ((draws * lengths) >> np.uint64(32))).astype(np.intp)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSnapshot:
+    """One side's snapshot as received: all its chunk messages, checked for consistency."""
+
+    seed: int  # the exchange's seed (the subset)
+    sender: bytes  # raw 16-byte node id
+    swarm_samples: int  # the sender's swarm count when it snapshotted
+    length: int  # coordinates covered
+    codec: Codec  # how values travel
+    chunks: tuple[Message, ...]  # in index order, payloads not yet decoded
+
+
+def read_snapshot(messages: Iterable[Any]) -> PeerSnapshot:
+    """Parse a side's chunk messages (bytes or parsed) and check they form one whole vector;
+    CodecError naming the first defect. Payloads are validated when applied."""
+    parsed = [m if isinstance(m, Message) else parse_message(m) for m in messages]
+    if not parsed:
+        raise CodecError("averaging snapshot has no messages")
+    first = parsed[0]
+    for m in parsed:
+        if (m.seed, m.sender_id, m.swarm_samples, m.vector_length, m.chunk_count, m.codec) != (
+                first.seed, first.sender_id, first.swarm_samples, first.vector_length,
+                first.chunk_count, first.codec):
+            raise CodecError("averaging chunks disagree on seed, sender, length or codec")
+    by_index = {m.chunk_index: m for m in parsed}
+    if len(by_index) != len(parsed) or len(parsed) != first.chunk_count:
+        raise CodecError(f"averaging snapshot has {len(parsed)} chunks ({len(by_index)} "
+                         f"distinct), expected {first.chunk_count}")
+    chunks = tuple(by_index[i] for i in range(first.chunk_count))
+    return PeerSnapshot(first.seed, first.sender_id, first.swarm_samples, first.vector_length,
+                        first.codec, chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class AveragingReport:
+    """What one applied exchange did."""
+
+    peer: bytes  # the peer's raw node id
+    seed: int  # the exchange's seed
+    covered: int  # coordinates averaged
+    distance: float  # consensus distance: RMS of (x_peer - x_self) over them, from snapshots
+
+
+class ParameterAverager:
+    """One node's side of push-pull averaging, one exchange open at a time."""
+
+    def __init__(self, plan: AveragingPlan, chunk_elems: int = DEFAULT_CHUNK,
+                 max_distance: float = math.inf):
+        self.plan = plan
+        self.codec = plan.codec()
+        self.chunk_elems = chunk_elems  # elements per chunk message
+        self.max_distance = max_distance  # refuse a peer farther than this (RMS)
+        self._snap = np.zeros(plan.capacity, np.float32)  # own snapshot, then the difference
+        self._round = np.zeros(2 * min(plan.capacity, BLOCK), np.uint8)  # fp16 rounding bytes
+        self._seed: int | None = None  # the open exchange's seed
+        self._runs: np.ndarray | None = None  # its subset (None: all coordinates)
+        self._m = 0  # coordinates it covers
+        self._generation = 0  # bumped at every begin/close: stale message iterators fail
+
+    @property
+    def is_open(self) -> bool:
+        return self._seed is not None
+
+    def begin(self, params: np.ndarray, seed: int) -> int:
+        """Snapshot the coordinates the exchange `seed` covers (rounded as they will travel);
+        returns how many. The local steps may go on between this and `finish`."""
+        self._check_params(params)
+        if self.is_open:
+            raise RuntimeError("an averaging exchange is already open")
+        seed &= _MASK64
+        runs = self.plan.subset(seed)
+        m = self._gather(params, runs)
+        snap = self._snap[:m]
+        if not all_finite(snap):
+            raise ValueError("own parameters are not finite")
+        if self.plan.values == "fp16":  # round in place exactly as the peer will decode
+            for start, stop in blocks(m):
+                part, raw = snap[start:stop], self._round[: 2 * (stop - start)]
+                self.codec.encode_into(part, raw)
+                part.fill(0.0)
+                self.codec.decode_into(raw, part)
+        self._seed, self._runs, self._m = seed, runs, m
+        self._generation += 1
+        return m
+
+    def messages(self, sender_id: bytes, swarm_samples: int) -> Iterator[bytearray]:
+        """The open snapshot as chunk messages, made lazily; consume them before `finish`."""
+        if self._seed is None:
+            raise RuntimeError("no averaging exchange is open")
+        seed, m, generation = self._seed, self._m, self._generation
+        origin = Origin(sender_id, swarm_samples, 1.0)
+        bounds = chunk_bounds(m, self.chunk_elems)
+
+        def make() -> Iterator[bytearray]:
+            for index, (offset, length) in enumerate(bounds):
+                if self._generation != generation:
+                    raise RuntimeError("the snapshot changed: its exchange was closed")
+                yield encode_chunk(self.codec, self._snap[offset : offset + length], origin,
+                                   m, offset, index, len(bounds), seed)
+
+        return make()
+
+    def finish(self, params: np.ndarray, peer: PeerSnapshot | Iterable[Any]) -> AveragingReport:
+        """Apply (x_peer - x_self)/2 from the two snapshots to the current `params` and close
+        the exchange. CodecError (exchange closed, params untouched) if the peer's snapshot
+        is malformed, covers other coordinates, or is farther than `max_distance`."""
+        self._check_params(params)
+        if self._seed is None:
+            raise RuntimeError("no averaging exchange is open")
+        m, diff = self._m, self._snap[: self._m]
+        try:
+            if not isinstance(peer, PeerSnapshot):
+                peer = read_snapshot(peer)
+            if peer.seed != self._seed or peer.length != m or peer.codec != self.codec:
+                raise CodecError(
+                    f"peer snapshot (seed {peer.seed}, {peer.length} values, {peer.codec.name})"
+                    f" does not match ours (seed {self._seed}, {m}, {self.codec.name})")
+            for chunk in peer.chunks:
+                chunk.decode_into(diff, -1.0)  # diff = mine - peer, chunk by chunk
+            sq = 0.0
+            with np.errstate(over="ignore", invalid="ignore"):
+                for start, stop in blocks(m):
+                    sq += float(np.dot(diff[start:stop], diff[start:stop]))
+            distance = math.sqrt(sq / m)
+            if not distance <= self.max_distance:
+                raise CodecError(f"peer parameters are too far: RMS distance {distance:.4g}")
+        except CodecError:
+            self.abort()
+            raise
+        diff *= np.float32(-0.5)  # now (peer - mine) / 2: exact
+        self._scatter_add(params, self._runs, diff)
+        report = AveragingReport(peer.sender, self._seed, m, distance)
+        self.abort()
+        return report
+
+    def respond(self, params: np.ndarray, request: PeerSnapshot | Iterable[Any],
+                sender_id: bytes, swarm_samples: int) -> tuple[AveragingReport, list[bytearray]]:
+        """The responder's whole part: snapshot with the request's seed, make the reply, apply.
+        CodecError (params untouched, nothing to send) if the request is bad."""
+        peer = request if isinstance(request, PeerSnapshot) else read_snapshot(request)
+        self.begin(params, peer.seed)
+        try:
+            reply = list(self.messages(sender_id, swarm_samples))
+        except BaseException:
+            self.abort()
+            raise
+        return self.finish(params, peer), reply
+
+    def abort(self) -> None:
+        """Close the open exchange (if any) without applying anything."""
+        self._seed, self._runs, self._m = None, None, 0
+        self._generation += 1
+
+    # -- gather and scatter ------------------------------------------------------------------
+
+    def _check_params(self, params: np.ndarray) -> None:
+        if (not isinstance(params, np.ndarray) or params.dtype != np.float32
+                or params.shape != (self.plan.n,) or not params.flags.c_contiguous):
+            raise TypeError(f"params must be a contiguous float32 array of ({self.plan.n},)")
+
+    def _split(self, runs: np.ndarray) -> tuple[np.ndarray, int]:
+        """(indices of the whole runs, length of the partial last run if chosen, else 0)."""
+        whole = self.plan.n // self.plan.block
+        if runs.shape[0] and runs[-1] == whole:  # only exists when block does not divide n
+            return runs[:-1], self.plan.n - whole * self.plan.block
+        return runs, 0
+
+    def _gather(self, params: np.ndarray, runs: np.ndarray | None) -> int:
+        if runs is None:
+            np.copyto(self._snap[: self.plan.n], params)
+            return self.plan.n
+        b = self.plan.block
+        whole, tail = self._split(runs)
+        k = whole.shape[0]
+        grid = params[: (self.plan.n // b) * b].reshape(-1, b)
+        np.take(grid, whole, axis=0, out=self._snap[: k * b].reshape(k, b), mode="clip")
+        if tail:
+            self._snap[k * b : k * b + tail] = params[self.plan.n - tail :]
+        return k * b + tail
+
+    def _scatter_add(self, params: np.ndarray, runs: np.ndarray | None,
+                     delta: np.ndarray) -> None:
+        if runs is None:
+            params += delta
+            return
+        b = self.plan.block
+        whole, tail = self._split(runs)
+        k = whole.shape[0]
+        grid = params[: (self.plan.n // b) * b].reshape(-1, b)
+        rows = delta[: k * b].reshape(k, b)
+        step = max(1, BLOCK // b)  # bounds the fancy-indexing temporaries to one sub-block
+        for start in range(0, k, step):
+            grid[whole[start : start + step]] += rows[start : start + step]
+        if tail:
+            params[self.plan.n - tail :] += delta[k * b : k * b + tail]

@@ -1,0 +1,390 @@
+"""Gradient gossip: the schedule's knobs (`GossipConfig`), the sender's encoder and the
+receiver's mixing of peer gradients into its own (`GradientMixer`), step 3 of DESIGN.md's
+training algorithm.
+
+What waits between two steps: the *encoded chunk messages* of each peer gradient, not decoded
+vectors and not a running sum. A topk-1% gradient is ~4% of a float32 vector on the wire, so
+keeping messages costs far less than one dense buffer per peer, and -- unlike a sum built on
+arrival -- it lets staleness be judged when the gradient is used: a message that waited too
+long is simply not decoded. The queue is bounded both in vectors and in bytes. At `mix` every
+pending complete vector is used or dropped, and the own gradient is mixed *in place*, so the
+mixer never holds a buffer of the model's size (only one chunk-sized scratch for norms).
+
+Staleness is counted in swarm samples: receiver's swarm count at use minus the sender's count
+when it computed the gradient (carried by every message). A sender whose count is ahead of the
+receiver's (its view has not reached us yet) is aged from the gradient's arrival instead, so
+every message expires after at most `max_staleness_samples` of the receiver's progress.
+
+Clipping: each peer gradient is scaled down to `clip_multiple` times the median of a small
+window of recent norms (the own gradient's at every mix and every accepted peer's). A norm that
+is not finite, above `max_norm`, or above `absurd_norm_multiple` times that median is refused.
+
+This file never sends anything, never reads the clock, never draws random numbers and never
+does I/O. Not thread-safe: call `receive` and `mix` from one thread (the protocol loop).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections import Counter, deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from p2ptrain.codecs import (
+    DEFAULT_CHUNK,
+    Codec,
+    CodecError,
+    ErrorFeedback,
+    Message,
+    encode_vector,
+    make_codec,
+    parse_message,
+)
+from p2ptrain.proto.averaging import AVERAGING_MODES, AveragingPlan
+
+
+@dataclass(frozen=True, slots=True)
+class GossipConfig:
+    """Every knob of gradient gossip and parameter averaging."""
+
+    fanout: int = 2  # peers each gradient is pushed to; 0 = pure gossip averaging
+    codec: str = "topk"  # registry name of the gradient codec
+    codec_params: Mapping[str, Any] = field(  # keyword parameters of that codec
+        default_factory=lambda: {"fraction": 0.01})
+    error_feedback: bool = True  # keep a residual for biased codecs (topk, int8, randomk)
+    max_staleness_samples: int = 4096  # older peer gradients (in swarm samples) are dropped
+    clip_multiple: float = 3.0  # peer gradients clipped to this x the median recent norm
+    norm_window: int = 32  # recent gradient norms (own and peers') the median is taken over
+    absurd_norm_multiple: float = 1000.0  # refuse peer norms above this x the median
+    max_norm: float = 1e6  # refuse peer norms above this, whatever the median
+    max_sample_weight: float = 65536.0  # refuse gradients claiming more samples than this
+    queue_vectors: int = 16  # peer gradients waiting for the next mix, at most
+    queue_bytes: int = 256 << 20  # wire bytes of the waiting messages, at most
+    average_every: int = 10  # local steps between push-pull averagings; 0 = never
+    averaging: str = "full"  # exchange: "full", "fp16", "subset" or "subset_fp16"
+    subset_fraction: float = 0.1  # share of coordinates a subset exchange covers
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "codec_params", MappingProxyType(dict(self.codec_params)))
+        checks = {
+            "fanout": self.fanout >= 0,
+            "max_staleness_samples": self.max_staleness_samples >= 0,
+            "clip_multiple": self.clip_multiple > 0,
+            "norm_window": self.norm_window >= 1,
+            "absurd_norm_multiple": self.absurd_norm_multiple >= self.clip_multiple,
+            "max_norm": self.max_norm > 0,
+            "max_sample_weight": self.max_sample_weight > 0,
+            "queue_vectors": self.queue_vectors >= 1,
+            "queue_bytes": self.queue_bytes >= 1,
+            "average_every": self.average_every >= 0,
+            "averaging": self.averaging in AVERAGING_MODES,
+            "subset_fraction": 0.0 < self.subset_fraction <= 1.0,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"bad gossip settings: {', '.join(bad)}")
+        self.make_codec()  # an unknown codec or bad parameters fail here, not mid-run
+
+    def make_codec(self) -> Codec:
+        return make_codec(self.codec, **self.codec_params)
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        return self.error_feedback and bool(self.make_codec().biased)
+
+    def averaging_due(self, step: int) -> bool:
+        """True after local step `step` (1-based) if a push-pull averaging is due."""
+        return self.average_every > 0 and step > 0 and step % self.average_every == 0
+
+    def averaging_plan(self, n: int) -> AveragingPlan:
+        return AveragingPlan.from_mode(n, self.averaging, self.subset_fraction)
+
+
+class PlainEncoder:
+    """The codec without a residual, with `ErrorFeedback.encode_vector`'s signature."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+
+    def encode_vector(self, x: np.ndarray, *, sender_id: bytes, swarm_samples: int,
+                      weight: float, seed: int,
+                      chunk_elems: int = DEFAULT_CHUNK) -> Iterator[bytearray]:
+        return encode_vector(self.codec, x, sender_id=sender_id, swarm_samples=swarm_samples,
+                             weight=weight, seed=seed, chunk_elems=chunk_elems)
+
+
+def gradient_encoder(config: GossipConfig, n: int,
+                     residual: np.ndarray | None = None) -> ErrorFeedback | PlainEncoder:
+    """The sender's encoder for n-element gradients: error feedback when the config asks for
+    it and the codec is biased (`residual` restores a saved one), else the plain codec."""
+    codec = config.make_codec()
+    if config.uses_error_feedback:
+        return ErrorFeedback(codec, n, residual)
+    return PlainEncoder(codec)
+
+
+class Arrival(enum.Enum):
+    """What `GradientMixer.receive` did with an acceptable message."""
+
+    PENDING = "pending"  # kept; its vector still misses chunks
+    COMPLETE = "complete"  # kept; its vector is whole and will be mixed at the next step
+    STALE = "stale"  # dropped: too old already
+    FULL = "full"  # dropped: no room (this one, or its vector, lost to the queue bound)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerGradient:
+    """One peer gradient a mix used."""
+
+    sender: bytes  # raw 16-byte node id from the message header
+    swarm_samples: int  # sender's swarm count when it computed the gradient
+    weight: float  # samples the gradient averages over
+    norm: float  # its L2 norm as received
+    scale: float  # clip factor applied (1.0 = not clipped)
+    staleness: int  # swarm samples between its computation and its use
+
+
+@dataclass(frozen=True, slots=True)
+class MixReport:
+    """What one `GradientMixer.mix` did."""
+
+    own_norm: float  # L2 norm of the own gradient before mixing
+    clip_norm: float  # peer gradients were clipped to this norm
+    total_weight: float  # own weight + peer weights: the samples the mixed gradient covers
+    peers: tuple[PeerGradient, ...]  # the peer gradients mixed in, in arrival order
+    dropped_stale: int  # complete vectors dropped as too old at this mix
+    dropped_incomplete: int  # vectors dropped because their missing chunks never came in time
+    pending: int  # incomplete vectors kept for the next mix
+
+    @property
+    def senders(self) -> frozenset[bytes]:
+        return frozenset(p.sender for p in self.peers)
+
+
+class _Pending:
+    """One peer gradient waiting: its chunk messages so far and what they add up to."""
+
+    __slots__ = ("sender", "sender_samples", "origin", "weight", "codec", "chunk_count",
+                 "chunks", "sq_norm", "nbytes", "seq")
+
+    def __init__(self, msg: Message, receiver_samples: int, seq: int):
+        self.sender = msg.sender_id
+        self.sender_samples = msg.swarm_samples
+        # Receiver-side time of computation: a sender ahead of us is aged from arrival.
+        self.origin = min(msg.swarm_samples, receiver_samples)
+        self.weight = msg.weight
+        self.codec = msg.codec
+        self.chunk_count = msg.chunk_count
+        self.chunks: dict[int, Message] = {}
+        self.sq_norm = 0.0
+        self.nbytes = 0
+        self.seq = seq  # arrival order: deterministic tie-breaks
+
+    @property
+    def complete(self) -> bool:
+        return len(self.chunks) == self.chunk_count
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(self.sq_norm)
+
+
+class GradientMixer:
+    """The inbound queue of peer gradients and the weighted mix into the own gradient, for
+    gradients of n elements."""
+
+    def __init__(self, config: GossipConfig, n: int):
+        self.config = config
+        self.n = int(n)
+        self._pending: dict[tuple[bytes, int], _Pending] = {}
+        self._bytes = 0  # wire bytes held by _pending
+        self._seq = 0
+        self._norms: deque[float] = deque(maxlen=config.norm_window)
+        self._scratch = np.zeros(0, np.float32)  # chunk-sized, for norms of dense payloads
+        self.drops: Counter[str] = Counter()  # stale, full, incomplete, malformed, norm
+        self.used: Counter[bytes] = Counter()  # peer gradients mixed in, per sender
+        self.mixes = 0  # calls to mix
+
+    # -- arrival ----------------------------------------------------------------------------
+
+    def receive(self, msg: Any, swarm_samples: int) -> Arrival:
+        """Take one chunk message of a peer gradient; `swarm_samples` is the receiver's swarm
+        count now. CodecError (counted as malformed or norm) if the peer misbehaved: framing,
+        payload, non-finite values, wrong vector length, bad weight, a duplicate or
+        inconsistent chunk, or an absurd norm. A refused chunk leaves the queue as it was,
+        except that a vector whose last chunk makes its total norm absurd is dropped whole.
+        The mixer keeps a reference to `msg` until its vector is used or dropped."""
+        try:
+            message = msg if isinstance(msg, Message) else parse_message(msg)
+            key = (message.sender_id, message.swarm_samples)
+            entry = self._pending.get(key)
+            self._check_header(message, entry)
+            sq = self._chunk_sq_norm(message)
+        except CodecError:
+            self.drops["malformed"] += 1
+            raise
+        self._check_norm(math.sqrt(sq) if math.isfinite(sq) else math.inf)
+        size = int(message.payload.nbytes)
+        if entry is None:
+            entry = _Pending(message, swarm_samples, self._seq)
+            self._seq += 1
+            if swarm_samples - entry.origin > self.config.max_staleness_samples:
+                self.drops["stale"] += 1
+                return Arrival.STALE
+        if not self._make_room(entry, size):
+            return Arrival.FULL
+        self._pending[key] = entry
+        entry.chunks[message.chunk_index] = message
+        entry.sq_norm += sq
+        entry.nbytes += size
+        self._bytes += size
+        if not entry.complete:
+            return Arrival.PENDING
+        try:
+            self._check_norm(entry.norm)
+        except CodecError:
+            self._remove(key)
+            raise
+        self._norms.append(entry.norm)
+        return Arrival.COMPLETE
+
+    def _check_header(self, m: Message, entry: _Pending | None) -> None:
+        if m.vector_length != self.n:
+            raise CodecError(f"gradient has {m.vector_length} elements, the model {self.n}")
+        if not 0.0 < m.weight <= self.config.max_sample_weight:
+            raise CodecError(f"sample weight {m.weight} outside (0, "
+                             f"{self.config.max_sample_weight:g}]")
+        if entry is None:
+            return
+        if (m.codec != entry.codec or m.weight != entry.weight
+                or m.chunk_count != entry.chunk_count):
+            raise CodecError("chunk disagrees with earlier chunks of the same gradient")
+        if m.chunk_index in entry.chunks:
+            raise CodecError(f"duplicate chunk {m.chunk_index} of one gradient")
+
+    def _chunk_sq_norm(self, m: Message) -> float:
+        """Squared norm of the chunk, validating its payload, without allocating per call."""
+        if type(m.codec).sq_norm is not Codec.sq_norm:  # the codec computes it cheaply
+            return m.sq_norm()
+        if self._scratch.shape[0] < m.chunk_length:
+            self._scratch = np.zeros(m.chunk_length, np.float32)
+        s = self._scratch[: m.chunk_length]
+        s.fill(0.0)
+        m.codec.decode_into(m.payload, s, 1.0, m.seed)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return float(np.dot(s, s))
+
+    def _norm_limit(self) -> float:
+        if not self._norms:
+            return self.config.max_norm
+        median = statistics.median(self._norms)
+        return min(self.config.max_norm, self.config.absurd_norm_multiple * median)
+
+    def _check_norm(self, norm: float) -> None:
+        limit = self._norm_limit()
+        if not norm <= limit:  # also catches NaN
+            self.drops["norm"] += 1
+            raise CodecError(f"gradient norm {norm:.4g} is absurd (limit {limit:.4g})")
+
+    # -- the queue bound ---------------------------------------------------------------------
+
+    def _make_room(self, entry: _Pending, extra: int) -> bool:
+        """Evict until `entry` (new or held) fits with `extra` more bytes; False if `entry`
+        itself loses. The victim is the oldest gradient of the sender holding the most
+        entries (the oldest of all when each sender holds one): a fast sender cannot starve a
+        slow one, and fresher gradients win."""
+        cfg = self.config
+        while True:
+            held = [e for e in self._pending.values() if e is not entry]
+            if len(held) + 1 <= cfg.queue_vectors and self._bytes + extra <= cfg.queue_bytes:
+                return True
+            by_sender: dict[bytes, list[_Pending]] = {}
+            for e in [*held, entry]:
+                by_sender.setdefault(e.sender, []).append(e)
+            sender = max(by_sender, key=lambda s: (
+                len(by_sender[s]), -min(e.origin for e in by_sender[s]), s))
+            victim = min(by_sender[sender], key=lambda e: (e.origin, e.seq))
+            self.drops["full"] += 1
+            if victim is entry:
+                self._remove((entry.sender, entry.sender_samples))
+                return False
+            self._remove((victim.sender, victim.sender_samples))
+
+    def _remove(self, key: tuple[bytes, int]) -> None:
+        entry = self._pending.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def mix(self, grad: np.ndarray, weight: float, swarm_samples: int) -> MixReport:
+        """grad <- (weight * grad + sum_i w_i * c_i * g_i) / (weight + sum_i w_i), in place,
+        over the pending complete peer gradients g_i (w_i their sample weights, c_i <= 1 their
+        clip factors) that are not staler than `max_staleness_samples` at the receiver's swarm
+        count `swarm_samples`. Every complete or stale vector leaves the queue."""
+        if (not isinstance(grad, np.ndarray) or grad.dtype != np.float32
+                or grad.shape != (self.n,) or not grad.flags.c_contiguous):
+            raise TypeError(f"grad must be a contiguous float32 array of shape ({self.n},)")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"own weight must be finite and > 0, got {weight}")
+        own_norm = math.sqrt(float(np.dot(grad, grad)))
+        if not math.isfinite(own_norm):
+            raise ValueError("own gradient is not finite")
+        self._norms.append(own_norm)
+        clip_norm = self.config.clip_multiple * statistics.median(self._norms)
+        used: list[tuple[_Pending, int]] = []
+        stale = incomplete = 0
+        for key, entry in list(self._pending.items()):
+            age = max(0, swarm_samples - entry.origin)
+            if age > self.config.max_staleness_samples:
+                stale += entry.complete
+                incomplete += not entry.complete
+                self._remove(key)
+            elif entry.complete:
+                used.append((entry, age))
+                self._remove(key)
+        self.drops["stale"] += stale
+        self.drops["incomplete"] += incomplete
+        total = weight + sum(entry.weight for entry, _ in used)
+        peers = []
+        if used:
+            grad *= np.float32(weight / total)
+        for entry, age in used:
+            norm = entry.norm
+            scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+            for index in sorted(entry.chunks):
+                entry.chunks[index].decode_into(grad, entry.weight * scale / total)
+            self.used[entry.sender] += 1
+            peers.append(PeerGradient(entry.sender, entry.sender_samples, entry.weight,
+                                      norm, scale, age))
+        self.mixes += 1
+        return MixReport(own_norm, clip_norm, total, tuple(peers), stale, incomplete,
+                         len(self._pending))
+
+    # -- inspection --------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Peer gradients waiting (complete or not)."""
+        return len(self._pending)
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._bytes
+
+    @property
+    def norms(self) -> tuple[float, ...]:
+        """The window of recent gradient norms, oldest first."""
+        return tuple(self._norms)
+
+    def clear(self) -> None:
+        """Forget every waiting gradient (e.g. after the replica was replaced); not counted
+        as drops."""
+        self._pending.clear()
+        self._bytes = 0

@@ -1,0 +1,152 @@
+"""What a node measures about each peer's link, and the choice of gossip targets from it.
+
+`PeerStats` is one peer's record: bytes each way, an RTT estimate and a bandwidth estimate
+(exponentially weighted moving averages of observations the driver reports), and when it was
+last heard from. `PeerTable` keeps the records; `choose_peers` picks `fanout` distinct targets
+at random among the eligible ones, each with probability proportional to 1 / (expected time
+to deliver a message of the given size) = 1 / (rtt + bytes / bandwidth), so fast, near links
+are preferred without starving the others: every eligible peer keeps at least `explore` times
+the mean weight, so slow links are still sampled (their estimates stay fresh, and the swarm
+stays one well-mixed graph). Peers never measured are given the median of the measured ones.
+
+Which peers are eligible (alive, not suspect, compatible, not ourselves) is the caller's
+decision. Times are passed in (seconds on any monotonic clock); randomness comes from the
+caller's `np.random.Generator`. No I/O, no clock, no global random state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_RTT = 0.05  # seconds assumed when no peer has been measured yet
+DEFAULT_BANDWIDTH = 1.25e6  # bytes/s assumed when no peer has been measured (10 Mbit/s)
+MIN_BANDWIDTH_BYTES = 16 << 10  # smaller transfers say little about bandwidth: RTT dominates
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStats:
+    """One peer's link measurements. Updates return a new record."""
+
+    bytes_in: int = 0  # bytes received from the peer
+    bytes_out: int = 0  # bytes sent to the peer
+    rtt: float | None = None  # round-trip time EWMA, seconds (None: never measured)
+    bandwidth: float | None = None  # throughput EWMA, bytes/s (None: never measured)
+    last_seen: float | None = None  # when the peer was last heard from (caller's clock)
+
+    def seen(self, now: float) -> PeerStats:
+        last = now if self.last_seen is None else max(self.last_seen, now)
+        return dataclasses.replace(self, last_seen=last)
+
+    def with_rtt(self, seconds: float, now: float, alpha: float) -> PeerStats:
+        """Fold in one round trip of `seconds` (e.g. a probe and its answer)."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"rtt must be finite and >= 0, got {seconds}")
+        return dataclasses.replace(self.seen(now), rtt=_ewma(self.rtt, seconds, alpha))
+
+    def with_transfer(self, sent: int, received: int, seconds: float, now: float,
+                      alpha: float) -> PeerStats:
+        """Fold in one request/response that moved `sent` + `received` bytes in `seconds`.
+        Transfers of MIN_BANDWIDTH_BYTES or more also update the bandwidth, from the time
+        left after one RTT (at least a quarter of the total, so a noisy RTT cannot make it
+        explode)."""
+        if sent < 0 or received < 0 or not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"bad transfer: {sent}+{received} bytes in {seconds} s")
+        record = dataclasses.replace(self.seen(now), bytes_in=self.bytes_in + received,
+                                     bytes_out=self.bytes_out + sent)
+        moved = sent + received
+        if moved < MIN_BANDWIDTH_BYTES or seconds <= 0:
+            return record
+        busy = max(seconds - (self.rtt or 0.0), 0.25 * seconds)
+        return dataclasses.replace(record, bandwidth=_ewma(self.bandwidth, moved / busy, alpha))
+
+
+def _ewma(old: float | None, sample: float, alpha: float) -> float:
+    """The first sample sets the average; later ones move it by alpha of the difference."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    return sample if old is None else old + alpha * (sample - old)
+
+
+class PeerTable:
+    """The link records of every peer a node talks to, keyed by node id."""
+
+    def __init__(self, alpha: float = 0.2):
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha  # EWMA weight of a new observation
+        self._stats: dict[str, PeerStats] = {}
+
+    def get(self, peer: str) -> PeerStats:
+        return self._stats.get(peer, PeerStats())
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._stats
+
+    def __len__(self) -> int:
+        return len(self._stats)
+
+    def items(self) -> Iterable[tuple[str, PeerStats]]:
+        return self._stats.items()
+
+    def seen(self, peer: str, now: float) -> None:
+        self._stats[peer] = self.get(peer).seen(now)
+
+    def observe_rtt(self, peer: str, seconds: float, now: float) -> None:
+        self._stats[peer] = self.get(peer).with_rtt(seconds, now, self.alpha)
+
+    def observe_transfer(self, peer: str, sent: int, received: int, seconds: float,
+                         now: float) -> None:
+        self._stats[peer] = self.get(peer).with_transfer(sent, received, seconds, now,
+                                                         self.alpha)
+
+    def forget(self, peer: str) -> None:
+        self._stats.pop(peer, None)
+
+    def choose(self, eligible: Iterable[str], fanout: int, rng: np.random.Generator,
+               message_bytes: int, explore: float = 0.1) -> tuple[str, ...]:
+        return choose_peers(eligible, self._stats, fanout, rng, message_bytes, explore)
+
+
+def delivery_seconds(stats: Mapping[str, PeerStats], peers: Iterable[str],
+                     message_bytes: int) -> dict[str, float]:
+    """Expected seconds to deliver `message_bytes` to each peer: rtt + bytes / bandwidth,
+    with the median of the measured peers (else the defaults) for what is unknown."""
+    peers = list(peers)
+    known = [stats[p] for p in peers if p in stats]
+    rtts = [s.rtt for s in known if s.rtt is not None]
+    bws = [s.bandwidth for s in known if s.bandwidth is not None and s.bandwidth > 0]
+    rtt_prior = statistics.median(rtts) if rtts else DEFAULT_RTT
+    bw_prior = statistics.median(bws) if bws else DEFAULT_BANDWIDTH
+    out = {}
+    for p in peers:
+        s = stats.get(p, PeerStats())
+        rtt = s.rtt if s.rtt is not None else rtt_prior
+        bw = s.bandwidth if s.bandwidth is not None and s.bandwidth > 0 else bw_prior
+        out[p] = rtt + max(message_bytes, 0) / bw
+    return out
+
+
+def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout: int,
+                 rng: np.random.Generator, message_bytes: int,
+                 explore: float = 0.1) -> tuple[str, ...]:
+    """`fanout` distinct peers from `eligible` (all of them, in random order, if fewer),
+    drawn without replacement with probability proportional to 1 / delivery time, floored
+    at `explore` x the mean weight. The result depends only on the set of eligible ids, the
+    stats and the generator's state, not on the order the ids are given in."""
+    if fanout < 0 or not 0.0 <= explore <= 1.0:
+        raise ValueError(f"fanout must be >= 0 and explore in [0, 1]: {fanout}, {explore}")
+    peers = sorted(set(eligible))
+    if fanout == 0 or not peers:
+        return ()
+    seconds = delivery_seconds(stats, peers, message_bytes)
+    weights = np.array([1.0 / max(seconds[p], 1e-9) for p in peers])
+    np.maximum(weights, explore * weights.mean(), out=weights)
+    picks = rng.choice(len(peers), size=min(fanout, len(peers)), replace=False,
+                       p=weights / weights.sum())
+    return tuple(peers[int(i)] for i in picks)

@@ -1,0 +1,199 @@
+"""Push-pull parameter averaging: the pair's sum is preserved while both sides keep stepping,
+consensus distance falls, subsets agree on both sides, bad replies leave params untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from p2ptrain.codecs import HEADER_SIZE, CodecError
+from p2ptrain.proto.averaging import (
+    AVERAGING_MODES,
+    AveragingPlan,
+    ParameterAverager,
+    read_snapshot,
+)
+from tests.test_gossip_mixer import reseal
+
+N = 5003  # not a multiple of the subset block: the partial last run is exercised
+A_ID, B_ID = b"A" * 16, b"B" * 16
+
+
+def params(seed: int, n: int = N) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def pair(mode: str, fraction: float = 0.3, chunk: int = 700):
+    plan = AveragingPlan.from_mode(N, mode, fraction)
+    return ParameterAverager(plan, chunk_elems=chunk), ParameterAverager(plan, chunk_elems=chunk)
+
+
+def exchange(av_a, av_b, xa, xb, seed, between=None):
+    """One push-pull: A snapshots and sends, `between()` runs local steps, B answers and
+    applies at once, A applies the reply."""
+    av_a.begin(xa, seed)
+    request = list(av_a.messages(A_ID, 100))
+    if between:
+        between()
+    report_b, reply = av_b.respond(xb, request, B_ID, 200)
+    if between:
+        between()
+    report_a = av_a.finish(xa, reply)
+    return report_a, report_b
+
+
+def rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(x.astype(np.float64) ** 2)))
+
+
+@pytest.mark.parametrize("mode", list(AVERAGING_MODES))
+def test_pair_sum_is_preserved_while_both_sides_step(mode):
+    av_a, av_b = pair(mode)
+    xa, xb = params(1), params(2) * 3.0 + 0.5
+    total = xa.astype(np.float64) + xb  # what the sum must be: start plus all local steps
+    rng = np.random.default_rng(5)
+
+    def local_steps():
+        nonlocal total
+        for x in (xa, xb):
+            step = (rng.standard_normal(N) * 0.01).astype(np.float32)
+            x += step
+            total += step
+
+    for seed in range(12):
+        local_steps()
+        report_a, report_b = exchange(av_a, av_b, xa, xb, seed, between=local_steps)
+        assert report_a.peer == B_ID and report_b.peer == A_ID
+        assert report_a.covered == report_b.covered and report_a.seed == report_b.seed
+        assert report_a.distance == pytest.approx(report_b.distance, rel=1e-12)
+        assert not av_a.is_open and not av_b.is_open
+    np.testing.assert_allclose(xa.astype(np.float64) + xb, total, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("mode", list(AVERAGING_MODES))
+def test_averaging_reduces_consensus_distance(mode):
+    av_a, av_b = pair(mode)
+    xa, xb = params(1), params(2)
+    start = rms(xa - xb)
+    distances, gaps = [], [start]
+    for seed in range(8):
+        report, _ = exchange(av_a, av_b, xa, xb, seed)
+        distances.append(report.distance)
+        gaps.append(rms(xa - xb))
+    end = gaps[-1]
+    if AVERAGING_MODES[mode][0]:  # subsets: ~0.7^8 of the coordinates never covered
+        assert all(later < earlier for earlier, later in zip(gaps, gaps[1:], strict=False))
+        assert end < 0.35 * start
+    else:  # one full exchange nearly closes it; fp16 leaves rounding residue only
+        assert distances[0] == pytest.approx(start, rel=1e-3)
+        assert distances[1] < (1e-6 if mode == "full" else 2e-3) * start
+        assert end < 2e-3 * start
+
+
+def test_full_exchange_reports_the_distance_and_meets_in_the_middle():
+    av_a, av_b = pair("full")
+    xa, xb = params(1), params(2)
+    mid = (xa.astype(np.float64) + xb) / 2
+    report, _ = exchange(av_a, av_b, xa, xb, 9)
+    assert report.covered == N and report.distance == pytest.approx(rms(params(1) - params(2)))
+    np.testing.assert_allclose(xa, mid, atol=1e-6)
+    np.testing.assert_allclose(xb, mid, atol=1e-6)
+
+
+def test_subset_is_shared_seeded_stratified_and_covers_the_tail():
+    plan = AveragingPlan(N, fraction=0.3, block=256)
+    runs = plan.subset(42)
+    assert runs is not None and runs.shape[0] == plan.k_blocks == 6
+    assert (np.diff(runs) > 0).all() and runs[0] >= 0 and runs[-1] < plan.n_blocks
+    np.testing.assert_array_equal(runs, AveragingPlan(N, 0.3, block=256).subset(42))
+    seen = np.zeros(plan.n_blocks, int)
+    for seed in range(2000):
+        seen[plan.subset(seed)] += 1
+    assert (seen > 0).all()  # every run, the partial last one included, gets its turn
+    assert seen.min() > 0.5 * seen.mean() and seen.max() < 1.5 * seen.mean()
+    tail_seed = next(s for s in range(2000) if plan.subset(s)[-1] == plan.n_blocks - 1)
+    av = ParameterAverager(plan)
+    x = params(3)
+    m = av.begin(x, tail_seed)
+    assert m == 5 * 256 + N % 256
+    snapshot = read_snapshot(av.messages(A_ID, 0)).chunks[0].decode()
+    runs = plan.subset(tail_seed)
+    expected = np.concatenate([x[r * 256 : (r + 1) * 256] for r in runs])
+    np.testing.assert_array_equal(snapshot, expected)
+    assert AveragingPlan(N, fraction=1.0).subset(1) is None
+    assert AveragingPlan(10, fraction=0.01, block=4).k_blocks == 1
+
+
+def test_fp16_snapshot_is_what_the_peer_decodes():
+    av = ParameterAverager(AveragingPlan(N, values="fp16"))
+    x = params(4) * 1e-3  # plenty of values that fp16 cannot hold exactly
+    av.begin(x, 1)
+    sent = read_snapshot(av.messages(A_ID, 0))
+    decoded = np.concatenate([c.decode() for c in sent.chunks])
+    assert not np.array_equal(decoded, x)  # rounding happened
+    np.testing.assert_allclose(decoded, x, rtol=1e-3, atol=1e-7)
+    # The reply built from the same snapshot twice is bit-identical: rounding is idempotent.
+    again = np.concatenate([c.decode() for c in read_snapshot(av.messages(A_ID, 0)).chunks])
+    np.testing.assert_array_equal(decoded, again)
+
+
+def test_bad_or_mismatched_replies_leave_params_untouched():
+    xa, xb = params(1), params(2)
+    for mode, tamper in [("full", "payload"), ("full", "seed"), ("fp16", "codec"),
+                         ("subset", "plan"), ("full", "missing"), ("full", "far")]:
+        av_a, av_b = pair(mode)
+        if tamper == "far":
+            av_a.max_distance = 0.5
+        av_a.begin(xa, 7)
+        other = av_b
+        if tamper == "codec":
+            other = ParameterAverager(AveragingPlan(N), chunk_elems=700)
+        elif tamper == "plan":
+            other = ParameterAverager(AveragingPlan.from_mode(N, "subset", 0.5), 700)
+        other.begin(xb, 8 if tamper == "seed" else 7)
+        reply = [bytes(m) for m in other.messages(B_ID, 0)]
+        other.abort()
+        if tamper == "payload":  # a NaN in the values, with a valid checksum
+            raw = bytearray(reply[1])
+            raw[HEADER_SIZE : HEADER_SIZE + 4] = np.float32(np.nan).tobytes()
+            reply[1] = reseal(raw)
+        elif tamper == "missing":
+            reply = reply[:-1]
+        before = xa.copy()
+        with pytest.raises(CodecError):
+            av_a.finish(xa, reply)
+        np.testing.assert_array_equal(xa, before)
+        assert not av_a.is_open, (mode, tamper)
+
+
+def test_responder_refuses_a_bad_request_without_moving():
+    av_a, av_b = pair("full")
+    xa, xb = params(1), params(2)
+    av_a.begin(xa, 3)
+    request = [bytes(m) for m in av_a.messages(A_ID, 0)]
+    before = xb.copy()
+    with pytest.raises(CodecError):
+        av_b.respond(xb, request[1:], B_ID, 0)
+    np.testing.assert_array_equal(xb, before)
+    assert not av_b.is_open
+
+
+def test_misuse_is_a_local_error():
+    av = ParameterAverager(AveragingPlan(N))
+    x = params(1)
+    with pytest.raises(RuntimeError):
+        av.finish(x, [])
+    av.begin(x, 1)
+    with pytest.raises(RuntimeError):
+        av.begin(x, 2)
+    lazy = av.messages(A_ID, 0)
+    av.abort()
+    with pytest.raises(RuntimeError):
+        next(lazy)
+    with pytest.raises(TypeError):
+        av.begin(x.astype(np.float64), 1)
+    bad = x.copy()
+    bad[3] = np.inf
+    with pytest.raises(ValueError):
+        av.begin(bad, 1)
+    assert not av.is_open

@@ -1,0 +1,121 @@
+"""Link statistics and the choice of gossip targets; the gossip modules stay pure."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from p2ptrain.proto.peers import (
+    DEFAULT_RTT,
+    MIN_BANDWIDTH_BYTES,
+    PeerStats,
+    PeerTable,
+    choose_peers,
+    delivery_seconds,
+)
+
+
+def test_rtt_ewma():
+    s = PeerStats().with_rtt(0.1, now=5.0, alpha=0.25)
+    assert s.rtt == 0.1 and s.last_seen == 5.0  # the first sample sets it
+    s = s.with_rtt(0.2, now=6.0, alpha=0.25)
+    assert s.rtt == pytest.approx(0.125) and s.last_seen == 6.0
+    s = s.with_rtt(0.0, now=4.0, alpha=0.25)  # a late report never moves last_seen back
+    assert s.rtt == pytest.approx(0.09375) and s.last_seen == 6.0
+    with pytest.raises(ValueError):
+        s.with_rtt(float("nan"), 7.0, 0.25)
+
+
+def test_bandwidth_ewma_from_transfers():
+    s = PeerStats().with_transfer(1_000_000, 0, 2.0, now=1.0, alpha=0.5)
+    assert s.bandwidth == pytest.approx(500_000) and s.bytes_out == 1_000_000
+    s = s.with_rtt(0.5, now=2.0, alpha=0.5)
+    s = s.with_transfer(0, 1_500_000, 1.5, now=3.0, alpha=0.5)  # 1 s left after one RTT
+    assert s.bandwidth == pytest.approx(0.5 * 500_000 + 0.5 * 1_500_000)
+    assert (s.bytes_in, s.bytes_out, s.last_seen) == (1_500_000, 1_000_000, 3.0)
+    small = s.with_transfer(100, 100, 1.0, now=4.0, alpha=0.5)  # RTT-dominated: bytes only
+    assert small.bandwidth == s.bandwidth and small.bytes_in == s.bytes_in + 100
+    noisy = PeerStats(rtt=10.0).with_transfer(MIN_BANDWIDTH_BYTES, 0, 1.0, 0.0, 0.5)
+    assert noisy.bandwidth == pytest.approx(4 * MIN_BANDWIDTH_BYTES)  # a quarter at least
+
+
+def test_table_records_and_forgets():
+    table = PeerTable(alpha=0.5)
+    table.observe_rtt("a", 0.02, 1.0)
+    table.observe_transfer("a", 1 << 20, 0, 0.1, 2.0)
+    table.seen("b", 3.0)
+    assert "a" in table and len(table) == 2
+    assert table.get("a").bytes_out == 1 << 20 and table.get("b").last_seen == 3.0
+    table.forget("a")
+    assert "a" not in table and table.get("a") == PeerStats()
+
+
+def fleet() -> PeerTable:
+    table = PeerTable()
+    for i in range(3):  # fast, near: 100 MB/s, 1 ms
+        table.observe_rtt(f"fast{i}", 0.001, 0.0)
+        table.observe_transfer(f"fast{i}", 10 << 20, 0, 0.1, 0.0)
+    for i in range(3):  # slow, far: 1 MB/s, 100 ms
+        table.observe_rtt(f"slow{i}", 0.1, 0.0)
+        table.observe_transfer(f"slow{i}", 1 << 20, 0, 1.1, 0.0)
+    return table
+
+
+def test_choice_respects_eligibility_and_fanout():
+    table = fleet()
+    table.observe_rtt("suspect", 0.0001, 0.0)  # the fastest of all, but not eligible
+    eligible = ["slow0", "fast1", "slow2", "unknown"]
+    rng = np.random.default_rng(1)
+    for fanout in (0, 1, 2, 3, 4, 9):
+        for _ in range(50):
+            picks = table.choose(eligible, fanout, rng, 1 << 20)
+            assert len(picks) == min(fanout, len(eligible)) == len(set(picks))
+            assert set(picks) <= set(eligible)
+    assert table.choose([], 2, rng, 100) == ()
+
+
+def test_choice_prefers_fast_links_but_keeps_exploring():
+    table = fleet()
+    names = [n for n, _ in table.items()]
+    rng = np.random.default_rng(2024)
+    counts = Counter(p for _ in range(3000) for p in table.choose(names, 1, rng, 1 << 20))
+    fast = sum(counts[f"fast{i}"] for i in range(3))
+    slow = sum(counts[f"slow{i}"] for i in range(3))
+    assert fast > 0.85 * 3000  # 100x faster delivery
+    assert slow > 0.02 * 3000  # the exploration floor keeps slow links sampled
+    # fanout 2 among two fast and two slow peers: the fast pair is by far the likeliest.
+    pairs = Counter(frozenset(table.choose(["fast0", "fast1", "slow0", "slow1"], 2, rng,
+                                           1 << 20)) for _ in range(2000))
+    assert pairs.most_common(1)[0][0] == {"fast0", "fast1"}
+
+
+def test_choice_is_seeded_and_ignores_the_order_of_ids():
+    table = fleet()
+    names = [n for n, _ in table.items()]
+    first = [table.choose(names, 2, np.random.default_rng(9), 4096) for _ in range(5)]
+    second = [table.choose(names[::-1], 2, np.random.default_rng(9), 4096) for _ in range(5)]
+    assert first == second
+
+
+def test_unmeasured_peers_get_the_median_of_the_measured():
+    table = fleet()
+    times = delivery_seconds(dict(table.items()), ["fast0", "slow0", "fast1", "new"], 1 << 20)
+    assert min(times["fast0"], times["slow0"]) <= times["new"] <= max(times["fast0"],
+                                                                       times["slow0"])
+    alone = delivery_seconds({}, ["new"], 0)
+    assert alone["new"] == DEFAULT_RTT
+    with pytest.raises(ValueError):
+        choose_peers(["a"], {}, -1, np.random.default_rng(0), 10)
+
+
+def test_gossip_modules_import_no_io_stack():
+    code = ("import sys\nimport p2ptrain.proto.gossip, p2ptrain.proto.averaging, "
+            "p2ptrain.proto.peers\n"
+            "print(','.join(m for m in ('asyncio', 'aiohttp', 'zeroconf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == ""
