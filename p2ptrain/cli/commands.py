@@ -125,7 +125,12 @@ def cmd_bench(args) -> int:
     if args.target == "codecs":
         from p2ptrain.codecs.bench import format_table, run_codec_bench
 
-        result = run_codec_bench(args.size or 100_000_000)
+        if (args.size is not None and args.size < 1) or args.repeats < 1:
+            raise UserError("--size and --repeats must be >= 1")
+        if not args.json:
+            print(f"measuring codecs on {args.size or 100_000_000:,} float32 values ...",
+                  file=sys.stderr, flush=True)
+        result = run_codec_bench(args.size or 100_000_000, repeats=args.repeats)
         print(json.dumps(result) if args.json else format_table(result))
         return 0
     from p2ptrain.bench import run_model_bench

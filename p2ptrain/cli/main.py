@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", type=int, default=None,
                        help="codecs: vector length (default 100M); model: batch size (default 32)")
     bench.add_argument("--seconds", type=float, default=10.0, help="model: time to measure")
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="codecs: runs per codec; the median is reported")
     bench.add_argument("--json", action="store_true", help="one JSON document on stdout")
     _add_option_flags(bench, ["model.name"])
 

@@ -23,6 +23,7 @@ from p2ptrain.codecs.kernels import all_finite
 
 PARAMS_SIZE = 8  # bytes of codec parameters in every message header
 MAX_CHUNK = 2**32 - 1  # elements per chunk: the wire's chunk length is a uint32
+NON_FINITE_INPUT = "cannot encode non-finite values"
 
 
 class CodecError(ValueError):
@@ -53,6 +54,7 @@ class Codec(ABC):
     name: ClassVar[str]  # registry name, e.g. "topk"
     codec_id: ClassVar[int]  # wire id, 0..255, unique
     biased: ClassVar[bool]  # E[decode(encode(x))] != x: wrap it in error feedback
+    checks_finite: ClassVar[bool] = False  # _encode_into raises ValueError on inf/NaN itself
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -103,8 +105,8 @@ class Codec(ABC):
         size = self.encoded_size(x.shape[0])
         if buf.shape[0] != size:
             raise ValueError(f"destination holds {buf.shape[0]} bytes, payload needs {size}")
-        if not all_finite(x):
-            raise ValueError("cannot encode non-finite values")
+        if not self.checks_finite and not all_finite(x):
+            raise ValueError(NON_FINITE_INPUT)
         self._encode_into(x, buf, int(seed))
 
     def encode(self, x: np.ndarray, seed: int = 0) -> bytearray:

@@ -33,6 +33,7 @@ from p2ptrain.codecs.kernels import (
     f32_to_f16_bits,
     max_abs,
     max_magnitude_bits,
+    scratch,
 )
 
 
@@ -41,10 +42,10 @@ def _add_scaled(out: np.ndarray, values: np.ndarray, weight: float) -> None:
     if weight == 1.0:
         np.add(out, values, out=out)
         return
-    scratch = np.empty(min(out.shape[0], BLOCK), np.float32)
+    temp = scratch("dense", min(out.shape[0], BLOCK), np.float32)
     w = np.float32(weight)
     for start, stop in blocks(out.shape[0]):
-        s = scratch[: stop - start]
+        s = temp[: stop - start]
         np.multiply(values[start:stop], w, out=s)
         np.add(out[start:stop], s, out=out[start:stop])
 
@@ -92,9 +93,9 @@ class Float16(Codec):
         if max_magnitude_bits(bits) >= 0x7C00:
             raise CodecError("fp16: non-finite value")
         check_decoded_scale(F16_MAX, weight, "fp16")
-        scratch = np.empty(min(out.shape[0], BLOCK), np.float32)
+        temp = scratch("dense", min(out.shape[0], BLOCK), np.float32)
         for start, stop in blocks(out.shape[0]):
-            s = scratch[: stop - start]
+            s = temp[: stop - start]
             f16_bits_to_f32(bits[start:stop], s, weight)
             np.add(out[start:stop], s, out=out[start:stop])
 
@@ -120,9 +121,9 @@ class BFloat16(Codec):
         if top >= 0x7F80:
             raise CodecError("bf16: non-finite value")
         check_decoded_scale(float(np.uint32(top << 16).view(np.float32)), weight, "bf16")
-        scratch = np.empty(min(out.shape[0], BLOCK), np.float32)
+        temp = scratch("dense", min(out.shape[0], BLOCK), np.float32)
         for start, stop in blocks(out.shape[0]):
-            s = scratch[: stop - start]
+            s = temp[: stop - start]
             bf16_bits_to_f32(bits[start:stop], s, weight)
             np.add(out[start:stop], s, out=out[start:stop])
 
@@ -162,17 +163,17 @@ class Int8(Codec):
         n, b = x.shape[0], self.block
         scales, codes = sections(dst, (np.float32, ceil_div(n, b)), (np.int8, n))
         step = b * max(1, BLOCK // b)
-        scratch = np.empty(min(n, step), np.float32)
+        temp = scratch("dense", min(n, step), np.float32)
         for start, stop in blocks(n - n % b, step):  # whole blocks
             rows_scales = scales[start // b : stop // b]
-            self._encode_rows(x[start:stop], rows_scales, codes[start:stop], scratch)
+            self._encode_rows(x[start:stop], rows_scales, codes[start:stop], temp)
         if n % b:  # the final partial block
             start = n - n % b
-            self._encode_rows(x[start:], scales[start // b :], codes[start:], scratch)
+            self._encode_rows(x[start:], scales[start // b :], codes[start:], temp)
 
-    def _encode_rows(self, x: np.ndarray, scales: np.ndarray, codes: np.ndarray, scratch) -> None:
+    def _encode_rows(self, x: np.ndarray, scales: np.ndarray, codes: np.ndarray, temp) -> None:
         rows = x.reshape(scales.shape[0], -1)  # (blocks, block)
-        y = scratch[: x.shape[0]].reshape(rows.shape)
+        y = temp[: x.shape[0]].reshape(rows.shape)
         np.abs(x, out=y.reshape(-1))
         # reduceat is ~1.6x faster than max(axis=1) over short rows
         absmax = np.maximum.reduceat(y.reshape(-1), np.arange(0, x.shape[0], rows.shape[1]))
@@ -202,12 +203,13 @@ class Int8(Codec):
                 raise CodecError("int8: code -128 is not produced by this codec")
             check_decoded_scale(float(scales.max()), weight, "int8", codes_max=127)
         step = b * max(1, BLOCK // b)
-        scratch = np.empty(min(n, step), np.float32)
+        temp = scratch("dense", min(n, step), np.float32)
         factors = scales * np.float32(weight)
         for start, stop in (*blocks(n - n % b, step), (n - n % b, n)):
             if stop == start:
                 continue
             f = factors[start // b : ceil_div(stop, b)]
-            y = scratch[: stop - start].reshape(f.shape[0], -1)
-            np.multiply(codes[start:stop].reshape(y.shape), f[:, None], out=y)
-            np.add(out[start:stop], y.reshape(-1), out=out[start:stop])
+            np.copyto(temp[: stop - start], codes[start:stop])  # faster than a mixed multiply
+            y = temp[: stop - start].reshape(f.shape[0], -1)
+            np.multiply(y, f[:, None], out=y)
+            np.add(out[start:stop], temp[: stop - start], out=out[start:stop])

@@ -3,15 +3,19 @@ sub-block iteration and seeded bit streams.
 
 Everything here works on caller-provided numpy buffers in sub-blocks of `BLOCK` elements, so
 temporaries stay in cache (FIELD-NOTES: numpy's own float16 cast runs at ~0.05x memcpy, these
-integer-op versions at ~0.25x encode / ~0.5x decode). This file never allocates anything
-larger than a sub-block, never reads the clock, never draws from global random state and never
-does I/O. Byte order: these kernels view float32 as uint32/uint16 pairs and assume a
-little-endian host (x86-64 and aarch64 are); importing on a big-endian host fails loudly.
+integer-op versions at ~0.25x encode / ~0.5x decode). Temporaries come from `scratch`, a
+per-thread cache of reusable buffers: a fresh megabyte-sized numpy array costs hundreds of page
+faults on every call on our VMs, as much as the work itself. This file never reads the clock,
+never draws from global random state, never starts threads and never does I/O.
+
+Byte order: these kernels view float32 as uint32/uint16 pairs and assume a little-endian host
+(x86-64 and aarch64 are); importing on a big-endian host fails loudly.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -28,6 +32,21 @@ F16_MAX = 65504.0  # largest finite float16
 _F16_SCALE_DOWN = np.float32(2.0**-112)  # moves the float16 exponent range onto float32's bottom
 _F16_SCALE_UP = 2.0**112
 _MASK64 = (1 << 64) - 1
+
+
+_SCRATCH = threading.local()  # slot name -> uint8 buffer, per thread
+
+
+def scratch(slot: str, n: int, dtype: np.dtype | type) -> np.ndarray:
+    """A reusable temporary array of n elements for the calling thread (contents undefined).
+    Each live temporary needs its own slot name; never return a scratch array to a caller."""
+    dt = np.dtype(dtype)
+    nbytes = n * dt.itemsize
+    buf = _SCRATCH.__dict__.get(slot)
+    if buf is None or buf.shape[0] < nbytes:
+        buf = np.empty(max(nbytes, 64), np.uint8)
+        _SCRATCH.__dict__[slot] = buf
+    return buf[:nbytes].view(dt)
 
 
 def blocks(n: int, block: int = BLOCK) -> Iterator[tuple[int, int]]:
@@ -66,11 +85,11 @@ def f32_to_f16_bits(x: np.ndarray, out: np.ndarray) -> None:
     and adding half of the dropped range before the shift rounds it.
     """
     n = x.shape[0]
-    scratch = np.empty(min(n, BLOCK), np.float32)
-    bits = scratch.view(np.uint32)
+    temp = scratch("f16enc", min(n, BLOCK), np.float32)
+    bits = temp.view(np.uint32)
     halves = x.view(np.uint16)  # (low, high) pairs; the high half holds the sign
     for start, stop in blocks(n):
-        a, b, o = scratch[: stop - start], bits[: stop - start], out[start:stop]
+        a, b, o = temp[: stop - start], bits[: stop - start], out[start:stop]
         np.abs(x[start:stop], out=a)
         np.minimum(a, np.float32(F16_MAX), out=a)
         np.multiply(a, _F16_SCALE_DOWN, out=a)
@@ -85,10 +104,10 @@ def max_magnitude_bits(h: np.ndarray) -> int:
     of the largest magnitude (>= 0x7C00 means a float16 inf/NaN, >= 0x7F80 a bfloat16 one)."""
     if h.size == 0:
         return 0
-    scratch = np.empty(min(h.shape[0], BLOCK), np.uint16)
+    temp = scratch("maxbits", min(h.shape[0], BLOCK), np.uint16)
     top = 0
     for start, stop in blocks(h.shape[0]):
-        s = scratch[: stop - start]
+        s = temp[: stop - start]
         np.bitwise_and(h[start:stop], np.uint16(0x7FFF), out=s)
         top = max(top, int(s.max()))
     return top
@@ -117,9 +136,9 @@ def f32_to_bf16_bits(x: np.ndarray, out: np.ndarray) -> None:
     saturating at the largest finite bfloat16 (input must be finite)."""
     n = x.shape[0]
     bits_in = x.view(np.uint32)
-    scratch = np.empty(min(n, BLOCK), np.uint32)
+    temp = scratch("bf16enc", min(n, BLOCK), np.uint32)
     for start, stop in blocks(n):
-        s, o = scratch[: stop - start], out[start:stop]
+        s, o = temp[: stop - start], out[start:stop]
         np.add(bits_in[start:stop], np.uint32(0x8000), out=s)
         np.copyto(o, s.view(np.uint16)[1::2])
         # Only |x| within 0.4% of float32's max rounds up to infinity: clamp those (rare).

@@ -26,7 +26,7 @@ from typing import ClassVar
 import numpy as np
 
 from p2ptrain.codecs.base import Codec, CodecError, ceil_div, check_decoded_scale, sections
-from p2ptrain.codecs.kernels import BLOCK, all_finite, bit_stream, blocks, uniform_u16
+from p2ptrain.codecs.kernels import BLOCK, all_finite, bit_stream, blocks, scratch, uniform_u16
 
 _PARAMS = struct.Struct("<H2xI")  # levels, bucket
 _INFLATE = np.float32(1.0 + 2.0**-10)
@@ -43,8 +43,8 @@ def _unpack_narrow(packed: np.ndarray, bits: int) -> np.ndarray:
     codes at the end of the last lane included)."""
     lane = packed.shape[0]
     per = 8 // bits
-    codes = np.empty(lane * per, np.int8)
-    shifted = np.empty(min(lane, BLOCK), np.uint8)
+    codes = scratch("qsgd_codes", lane * per, np.int8)
+    shifted = scratch("qsgd_shift", min(lane, BLOCK), np.uint8)
     for start, stop in blocks(lane):
         tmp = shifted[: stop - start]
         for q in range(per):  # lane q sits in bits [q*bits, (q+1)*bits): move it to the top
@@ -105,8 +105,8 @@ class QSGD(Codec):
         )
         work = np.float32 if bits <= 8 else np.float64  # float32 keeps 16 random bits for s<=127
         size = min(n, d * max(1, BLOCK // d))
-        y, u = np.empty(size, work), np.empty(size, work)
-        narrow = np.empty(size, np.int8) if bits < 8 else None
+        y, u = scratch("qsgd_y", size, work), scratch("qsgd_u", size, work)
+        narrow = scratch("qsgd_narrow", size, np.int8) if bits < 8 else None
         if bits < 8:
             packed[:] = 0
         stream = bit_stream(seed)
@@ -170,14 +170,16 @@ class QSGD(Codec):
             if codes[n:].any():
                 raise CodecError("qsgd: non-zero padding bits")
             codes = codes[:n]
-        if codes.min() < -s or codes.max() > s:
+        full_width = s == (1 << (bits - 1)) - 1  # then only the most negative code is invalid
+        if codes.min() < -s or (not full_width and codes.max() > s):
             raise CodecError(f"qsgd: code outside [-{s}, {s}]")
         with np.errstate(over="ignore"):
             factors = (norms.astype(np.float64) * (weight / s)).astype(np.float32)
         check_decoded_scale(float(np.abs(factors).max()), 1.0, "qsgd", codes_max=s)
-        scratch = np.empty(min(n, d * max(1, BLOCK // d)), np.float32)
+        temp = scratch("qsgd_dec", min(n, d * max(1, BLOCK // d)), np.float32)
         for start, stop in _segments(n, d):
             f = factors[start // d : start // d + ceil_div(stop - start, d)]
-            vals = scratch[: stop - start].reshape(f.shape[0], -1)
-            np.multiply(codes[start:stop].reshape(vals.shape), f[:, None], out=vals)
-            np.add(out[start:stop], scratch[: stop - start], out=out[start:stop])
+            np.copyto(temp[: stop - start], codes[start:stop])  # faster than a mixed multiply
+            vals = temp[: stop - start].reshape(f.shape[0], -1)
+            np.multiply(vals, f[:, None], out=vals)
+            np.add(out[start:stop], temp[: stop - start], out=out[start:stop])

@@ -28,6 +28,7 @@ from typing import ClassVar
 import numpy as np
 
 from p2ptrain.codecs.base import (
+    NON_FINITE_INPUT,
     VALUE_TYPE_NAMES,
     VALUE_TYPES,
     Codec,
@@ -37,7 +38,6 @@ from p2ptrain.codecs.base import (
     sections,
 )
 from p2ptrain.codecs.kernels import (
-    BLOCK,
     all_finite,
     bf16_bits_to_f32,
     bit_stream,
@@ -47,6 +47,7 @@ from p2ptrain.codecs.kernels import (
     f32_to_f16_bits,
     max_abs,
     max_magnitude_bits,
+    scratch,
 )
 
 POSITION_BLOCK = 1 << 16  # positions per index block: offsets inside one fit a uint16
@@ -107,6 +108,35 @@ def _unpack_values(src: np.ndarray, values: str, what: str) -> np.ndarray:
     return out
 
 
+_ALL_BELOW = np.uint64(0x0101010101010101)  # eight True bytes
+
+
+def _candidates(x: np.ndarray, threshold: np.float32) -> np.ndarray:
+    """Sorted positions in a sub-block where |x| >= threshold, or is NaN.
+
+    np.flatnonzero scans ~0.3 ns per byte, so scan 8-byte words of the mask "|x| < threshold"
+    first and look inside the few words that hold a candidate (~25% faster at 2% density).
+    """
+    n = x.shape[0]
+    padded = -(-n // 8) * 8
+    magnitude = scratch("topk_abs", n, np.float32)
+    below = scratch("topk_mask", padded, bool)
+    np.abs(x, out=magnitude)
+    np.less(magnitude, threshold, out=below[:n])
+    below[n:] = True
+    words = below.view(np.uint64)
+    hit_words = np.flatnonzero(words != _ALL_BELOW)
+    inside = np.flatnonzero(words[hit_words].view(np.uint8) == 0)
+    return hit_words[inside >> 3] * 8 + (inside & 7)
+
+
+def _finite_abs(x: np.ndarray) -> np.ndarray:
+    a = np.abs(x)
+    if a.size and not np.isfinite(a.max()):
+        raise ValueError(NON_FINITE_INPUT)
+    return a
+
+
 def _top_among(candidates: np.ndarray | None, magnitude: np.ndarray, k: int) -> np.ndarray:
     """Sorted positions of the k largest magnitudes (ties: lowest position first) among the
     candidates (sorted positions; None means all of 0..len-1)."""
@@ -135,6 +165,7 @@ class TopK(Codec):
     name: ClassVar[str] = "topk"
     codec_id: ClassVar[int] = 4
     biased: ClassVar[bool] = True
+    checks_finite: ClassVar[bool] = True  # on the magnitudes it computes anyway
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_ppb", _fraction_ppb(self.fraction))
@@ -165,27 +196,19 @@ class TopK(Codec):
         n, k = x.shape[0], self.k(x.shape[0])
         sample = min(n, max(_MIN_SAMPLE, math.ceil(32 * _PPB / self._ppb)))
         if self.exact or k == n or 4 * sample >= n:
-            return _top_among(None, np.abs(x), k)
+            return _top_among(None, _finite_abs(x), k)
         draws = bit_stream(seed).random_raw(sample)
         positions = ((draws >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32)
         sampled = np.abs(x[positions])
         above = math.ceil(sample * min(1.0, _CANDIDATES * k / n))  # sampled values >= thr
         rank = sample - above
         threshold = np.partition(sampled, rank)[rank]
-        parts = []
-        magnitude = np.empty(min(n, BLOCK), np.float32)
-        mask = np.empty(min(n, BLOCK), bool)
-        for start, stop in blocks(n):
-            a, m = magnitude[: stop - start], mask[: stop - start]
-            np.abs(x[start:stop], out=a)
-            np.greater_equal(a, threshold, out=m)
-            found = np.flatnonzero(m)
-            if found.size:
-                parts.append(found + start)
-        candidates = np.concatenate(parts) if parts else np.empty(0, np.intp)
+        parts = [_candidates(x[start:stop], threshold) + start for start, stop in blocks(n)]
+        candidates = np.concatenate(parts)
         if candidates.shape[0] < k:  # the sample overestimated the threshold (rare)
-            return _top_among(None, np.abs(x), k)
-        return _top_among(candidates, np.abs(x[candidates]), k)
+            return _top_among(None, _finite_abs(x), k)
+        magnitude = _finite_abs(x[candidates])  # inf and NaN are always candidates
+        return _top_among(candidates, magnitude, k)
 
     def _encode_into(self, x: np.ndarray, dst: np.ndarray, seed: int) -> None:
         n, k = x.shape[0], self.k(x.shape[0])
