@@ -1,0 +1,43 @@
+"""The control plane: wire messages, SWIM-like membership, lease-based leader election, and a
+deterministic in-memory cluster harness to test them.
+
+Pure code (sans-IO): nothing in this package reads the clock, sleeps, uses global random state
+or touches sockets, asyncio, aiohttp or zeroconf. Time and seeded generators are arguments.
+
+    from p2ptrain.proto import Control, LAN, MemberInfo, Tick, Received
+    ctl = Control(LAN, me, incarnation=1, now=0.0, rng=random.Random(7))
+    actions = ctl.handle(now, Received(addr, data))
+"""
+
+from p2ptrain.proto.config import LAN, LOCAL, PRESETS, WAN, ProtoConfig
+from p2ptrain.proto.control import Control
+from p2ptrain.proto.errors import LocalProtocolError, RemoteProtocolError
+from p2ptrain.proto.events import (
+    Action,
+    Deliver,
+    Discovered,
+    Event,
+    LeaderChanged,
+    Leave,
+    MemberDown,
+    MemberUp,
+    Progress,
+    Received,
+    Refused,
+    RemoteError,
+    SaveCheckpoint,
+    Send,
+    Tick,
+)
+from p2ptrain.proto.messages import BODY_TYPES, PROTOCOL_VERSION, Body, Envelope, Header, register
+from p2ptrain.proto.records import LeaderView, MemberInfo, Update, differing_keys, fingerprint_of
+from p2ptrain.proto.wire import decode, encode
+
+__all__ = [
+    "BODY_TYPES", "LAN", "LOCAL", "PRESETS", "PROTOCOL_VERSION", "WAN", "Action", "Body",
+    "Control", "Deliver", "Discovered", "Envelope", "Event", "Header", "LeaderChanged",
+    "LeaderView", "Leave", "LocalProtocolError", "MemberDown", "MemberInfo", "MemberUp",
+    "Progress", "ProtoConfig", "Received", "Refused", "RemoteError", "RemoteProtocolError",
+    "SaveCheckpoint", "Send", "Tick", "Update", "decode", "differing_keys", "encode",
+    "fingerprint_of", "register",
+]

@@ -1,0 +1,147 @@
+"""What goes into the control plane (events) and what comes out (actions).
+
+`Control.handle(now, event)` takes one event and returns a list of actions; the driver (the
+asyncio runtime, the simulator, the test harness) performs the actions and feeds back what
+happens as events. All are frozen, slotted dataclasses. A driver must handle every action
+type it may receive; unknown future actions can be ignored safely only if they are
+notifications (MemberUp, MemberDown, LeaderChanged, Refused, RemoteError). This file owns
+the shapes only; it never decides anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2ptrain.proto.messages import Envelope
+from p2ptrain.proto.records import MemberInfo
+
+# -- events (driver -> control plane) ---------------------------------------------------------
+
+
+class Event:
+    """Base of all events."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Tick(Event):
+    """Time passed: run every timer due at `now` (call at or after `next_deadline()`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Received(Event):
+    """A message arrived: raw wire bytes (decoded and validated here) or an Envelope already
+    decoded by the caller (the in-memory harness)."""
+
+    addr: str  # transport address it came from (for logs and replies to strangers)
+    message: Envelope | bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Discovered(Event):
+    """A peer address was found (mDNS, a static seed, a DNS name): try to join through it."""
+
+    addr: str
+
+
+@dataclass(frozen=True, slots=True)
+class Progress(Event):
+    """The trainer's counters: local step, the swarm sample count, own samples processed."""
+
+    step: int  # local optimiser step (never decreases)
+    swarm_samples: int  # the swarm G-counter's total as the trainer knows it
+    samples: int  # samples this node has processed (never decreases)
+    finished: bool = False  # the run reached total_samples: the leader saves a final checkpoint
+
+
+@dataclass(frozen=True, slots=True)
+class Leave(Event):
+    """Shut down: announce departure (and resign, if leading); afterwards the node is inert."""
+
+
+# -- actions (control plane -> driver) ---------------------------------------------------------
+
+
+class Action:
+    """Base of all actions."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Send(Action):
+    """Send `envelope` (wire.encode it) to the node at `addr`. `reply` marks the answer to a
+    request from that node: send it in the response, which reaches outbound-only peers."""
+
+    to: str | None  # node id, or None when only the address is known (a seed)
+    addr: str
+    envelope: Envelope
+    reply: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SaveCheckpoint(Action):
+    """The leader decided: write a checkpoint stamped (term, step, leader, swarm samples)."""
+
+    term: int
+    step: int
+    swarm_samples: int
+    leader: str  # this node
+    final: bool = False  # the run is over
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderChanged(Action):
+    """The leader this node follows changed; `leader` is None while none is known. When
+    `leader` is this node, the driver must persist `term` (the `term_floor` of a restart)."""
+
+    term: int
+    leader: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class MemberUp(Action):
+    """A member joined or came back (new incarnation)."""
+
+    info: MemberInfo
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemberDown(Action):
+    """A member was declared dead, or left."""
+
+    node_id: str
+    incarnation: int
+    left: bool  # True: it announced its departure
+
+
+@dataclass(frozen=True, slots=True)
+class Refused(Action):
+    """A peer's configuration differs: `keys` names the differing fingerprint fields.
+    `by_peer` is True when the peer refused us (we cannot join it), False when we refused it."""
+
+    addr: str
+    node_id: str | None
+    keys: tuple[str, ...]
+    reason: str
+    by_peer: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteError(Action):
+    """A peer sent something malformed or illegal; it was refused and nothing changed."""
+
+    addr: str
+    sender: str | None  # node id, when the header could be read
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver(Action):
+    """A message whose body the control plane does not own (gradient gossip, averaging): its
+    header has been processed; hand the body to its owner."""
+
+    envelope: Envelope
+    addr: str

@@ -1,0 +1,353 @@
+"""A deterministic in-memory cluster: N control planes, virtual time, a seeded network.
+
+    cluster = Cluster(7, seed=3, network=Network(loss=0.1))
+    cluster.run_until(20.0)
+    cluster.crash(cluster.leaders()[0]); cluster.run_for(5.0)
+
+The network delivers each `Send` after a random delay (uniform in `delay`, plus an extra
+`reorder_delay` for a `reorder` fraction, which reorders), drops a `loss` fraction,
+duplicates a `duplicate` fraction, and drops everything between nodes in different partition
+groups (checked at send and at delivery) and every request to an outbound-only node (only
+replies reach it, as through NAT). `crash(i)` loses the node's state but for its identity
+(node id, incarnation counter, highest term it claimed); `restart(i)` starts a new
+incarnation that rediscovers the others' addresses (mDNS). Virtual time advances event by
+event, waking each node at its `next_deadline()`. A simple trainer feeds `Progress` events.
+Observers see every delivery and every action, to check invariants as the run goes.
+
+Nothing here reads the clock or global randomness; one seed fixes the whole run. Run
+`python -m p2ptrain.proto.harness rounds` for the membership convergence table
+(convergence.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2ptrain.proto import wire
+from p2ptrain.proto.config import LOCAL, ProtoConfig
+from p2ptrain.proto.control import Control
+from p2ptrain.proto.events import (
+    Action,
+    Discovered,
+    Event,
+    LeaderChanged,
+    Progress,
+    Received,
+    SaveCheckpoint,
+    Send,
+    Tick,
+)
+from p2ptrain.proto.records import MemberInfo, fingerprint_of
+
+FIELDS = {"model": "mlp", "layout": "0123456789abcdef", "vocab": "65", "mode": "full"}
+_DELIVER, _WAKE, _CALL, _TRAIN = 0, 1, 2, 3
+
+
+@dataclass
+class Network:
+    """How the simulated network treats messages (every field may change during a run)."""
+
+    delay: tuple[float, float] = (0.001, 0.010)  # one-way delay range, s (uniform)
+    loss: float = 0.0  # fraction of messages dropped
+    duplicate: float = 0.0  # fraction delivered twice
+    reorder: float = 0.0  # fraction delayed by up to reorder_delay more (overtaken by others)
+    reorder_delay: float = 0.05  # s
+
+
+@dataclass
+class Node:
+    """One machine of the cluster: its identity survives crashes, its control plane does not."""
+
+    index: int
+    info: MemberInfo
+    seeds: list[str]  # addresses it discovers at every start
+    control: Control | None = None
+    incarnation: int = 0  # the identity file's counter (bumped at every start)
+    term_floor: int = 0  # highest term it ever claimed (persisted by a real driver)
+    generation: int = 0  # bumped at every crash and restart
+    group: int = 0  # partition group
+    wake_at: float | None = None
+    steps_per_second: float = 4.0
+    step: int = 0
+    lives: list[list[float]] = field(default_factory=list)  # [start, end or inf]
+
+    @property
+    def up(self) -> bool:
+        return self.control is not None
+
+
+class Cluster:
+    """N nodes in memory; see the module docstring."""
+
+    def __init__(self, n: int, seed: int, config: ProtoConfig = LOCAL, *,
+                 network: Network | None = None, outbound_only: Iterable[int] = (),
+                 priorities: list[int] | None = None, seeds: str = "all", wire_format: bool = False,
+                 train: bool = True, progress_interval: float = 0.5, start: bool = True,
+                 observers: Iterable[Any] = ()):
+        self.config = config
+        self.network = network or Network()
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.now = 0.0
+        self.wire_format = wire_format
+        self.progress_interval = progress_interval
+        self.observers: list[Any] = [_complete(obs) for obs in observers]
+        self._heap: list[tuple] = []
+        self._seq = 0
+        self.sent = 0
+        self.delivered = 0
+        self.checkpoints: list[tuple[float, int, SaveCheckpoint]] = []
+        self.blocked: set[tuple[int, int]] = set()  # (from, to) links that drop everything
+        outbound = set(outbound_only)
+        addrs = [f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7100" for i in range(n)]
+        self.nodes: list[Node] = []
+        for i in range(n):
+            info = MemberInfo(
+                node_id=f"{self.rng.getrandbits(128):032x}", addr=addrs[i],
+                device_class=self.rng.choice(("pi4", "laptop", "server")),
+                capability=round(self.rng.uniform(1.0, 100.0), 3),
+                priority=priorities[i] if priorities else 0,
+                fingerprint=fingerprint_of(FIELDS), fingerprint_fields=dict(FIELDS),
+                outbound_only=i in outbound)
+            if seeds == "all":
+                node_seeds = [a for a in addrs if a != addrs[i]]
+            elif seeds == "first":
+                node_seeds = [addrs[0]] if i else []
+            elif seeds == "random":  # one random earlier node: a random tree of introductions
+                node_seeds = [addrs[self.rng.randrange(i)]] if i else []
+            else:
+                raise ValueError(f"unknown seeding {seeds!r}")
+            node = Node(i, info, node_seeds, steps_per_second=self.rng.uniform(1.0, 20.0))
+            self.nodes.append(node)
+        self.addr_index = {node.info.addr: node.index for node in self.nodes}
+        self.ids = {node.info.node_id: node.index for node in self.nodes}
+        if start:
+            for node in self.nodes:
+                self.restart(node.index)
+        if train:
+            self._push(self.progress_interval, _TRAIN, None)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run_until(self, t: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= t:
+            entry = heapq.heappop(heap)
+            self.now = entry[0]
+            kind = entry[2]
+            if kind == _DELIVER:
+                self._deliver(entry[3], entry[4], entry[5])
+            elif kind == _WAKE:
+                node = self.nodes[entry[3]]
+                if node.generation == entry[4] and node.wake_at == entry[5]:
+                    node.wake_at = None
+                    self._handle(node, Tick())
+            elif kind == _CALL:
+                entry[3](self)
+            else:
+                self._train()
+        self.now = max(self.now, t)
+
+    def run_for(self, dt: float) -> None:
+        self.run_until(self.now + dt)
+
+    def observe(self, observer: Any) -> None:
+        """Attach an observer (see `Observer`; missing hooks are no-ops)."""
+        self.observers.append(_complete(observer))
+
+    def at(self, t: float, fn: Callable[[Cluster], None]) -> None:
+        """Call fn(cluster) at virtual time t (disruptions, checks)."""
+        self._push(t, _CALL, fn)
+
+    # -- disruptions --------------------------------------------------------------------------
+
+    def crash(self, i: int) -> None:
+        node = self.nodes[i]
+        if not node.up:
+            return
+        node.control, node.wake_at = None, None
+        node.generation += 1
+        node.lives[-1][1] = self.now
+        for obs in self.observers:
+            obs.on_crash(self, i)
+
+    def restart(self, i: int) -> None:
+        """Start node i (a new incarnation); it rediscovers its seeds."""
+        node = self.nodes[i]
+        self.crash(i)
+        node.incarnation += 1
+        node.generation += 1
+        rng = random.Random(f"{self.seed}/{i}/{node.incarnation}")
+        node.control = Control(self.config, node.info, incarnation=node.incarnation,
+                               now=self.now, rng=rng, term_floor=node.term_floor)
+        node.lives.append([self.now, float("inf")])
+        for obs in self.observers:
+            obs.on_restart(self, i)
+        for addr in node.seeds:
+            self._handle(node, Discovered(addr))
+        self._reschedule(node)
+
+    def partition(self, groups: Iterable[Iterable[int]]) -> None:
+        """Split the network: nodes in different groups cannot talk; unlisted nodes form one
+        more group together."""
+        for node in self.nodes:
+            node.group = 0
+        for g, members in enumerate(groups, start=1):
+            for i in members:
+                self.nodes[i].group = g
+        for obs in self.observers:
+            obs.on_partition(self)
+
+    def heal(self) -> None:
+        self.partition(())
+
+    def block(self, i: int, j: int, both: bool = True) -> None:
+        """Cut the link from i to j (and back, unless both=False): an asymmetric fault that
+        the partition groups cannot express."""
+        self.blocked.add((i, j))
+        if both:
+            self.blocked.add((j, i))
+
+    def unblock_all(self) -> None:
+        self.blocked.clear()
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def up(self) -> list[int]:
+        return [n.index for n in self.nodes if n.up]
+
+    def leaders(self) -> list[int]:
+        return [n.index for n in self.nodes if n.up and n.control.is_leader]
+
+    def components(self) -> list[list[int]]:
+        """Up nodes grouped by partition."""
+        groups: dict[int, list[int]] = {}
+        for n in self.nodes:
+            if n.up:
+                groups.setdefault(n.group, []).append(n.index)
+        return list(groups.values())
+
+    def control(self, i: int) -> Control:
+        control = self.nodes[i].control
+        if control is None:
+            raise ValueError(f"node {i} is down")
+        return control
+
+    def inject(self, i: int, message: Any, addr: str = "192.0.2.1:7100") -> list[Action]:
+        """Hand node i a message directly (bytes or Envelope); returns its actions."""
+        return self._handle(self.nodes[i], Received(addr, message), deliver_sends=False)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, a: Any, b: Any = None, c: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, a, b, c))
+
+    def _handle(self, node: Node, event: Event, deliver_sends: bool = True) -> list[Action]:
+        actions = node.control.handle(self.now, event)
+        for obs in self.observers:
+            obs.on_actions(self, node.index, event, actions)
+        for action in actions:
+            if type(action) is Send:
+                if deliver_sends:
+                    self._send(node, action)
+            elif type(action) is SaveCheckpoint:
+                self.checkpoints.append((self.now, node.index, action))
+            elif type(action) is LeaderChanged and action.leader == node.info.node_id:
+                node.term_floor = max(node.term_floor, action.term)
+        if node.control is not None:
+            self._reschedule(node)
+        return actions
+
+    def _reschedule(self, node: Node) -> None:
+        d = node.control.next_deadline()
+        if d is not None and d != node.wake_at:
+            node.wake_at = d
+            self._push(max(d, self.now), _WAKE, node.index, node.generation, d)
+
+    def _send(self, node: Node, send: Send) -> None:
+        self.sent += 1
+        dst = self.addr_index.get(send.addr)
+        if dst is None:
+            return
+        target = self.nodes[dst]
+        net, rng = self.network, self.rng
+        if target.info.outbound_only and not send.reply:
+            return
+        if target.group != node.group or (self.blocked and (node.index, dst) in self.blocked):
+            return
+        if net.loss and rng.random() < net.loss:
+            return
+        payload = wire.encode(send.envelope) if self.wire_format else send.envelope
+        copies = 2 if net.duplicate and rng.random() < net.duplicate else 1
+        lo, hi = net.delay
+        for _ in range(copies):
+            delay = lo + (hi - lo) * rng.random()
+            if net.reorder and rng.random() < net.reorder:
+                delay += net.reorder_delay * rng.random()
+            self._push(self.now + delay, _DELIVER, dst, payload, node.index)
+
+    def _deliver(self, dst: int, payload: Any, src: int) -> None:
+        node = self.nodes[dst]
+        if not node.up or node.group != self.nodes[src].group or (
+                self.blocked and (src, dst) in self.blocked):
+            return
+        self.delivered += 1
+        for obs in self.observers:
+            obs.before_deliver(self, dst, payload)
+        self._handle(node, Received(self.nodes[src].info.addr, payload))
+
+    def _train(self) -> None:
+        """Every progress interval each up node steps at its own speed and reports."""
+        dt = self.progress_interval
+        for node in self.nodes:
+            if node.up:
+                node.step += max(1, round(node.steps_per_second * dt))
+        swarm = sum(n.step for n in self.nodes) * 8
+        for node in self.nodes:
+            if node.up:
+                self._handle(node, Progress(node.step, swarm, node.step * 8))
+        self._push(self.now + dt, _TRAIN, None)
+
+
+def _noop(*args: Any) -> None:
+    return None
+
+
+class Observer:
+    """Base for harness observers: every hook is a no-op until overridden."""
+
+    def on_actions(self, cluster: Cluster, i: int, event: Event, actions: list[Action]) -> None:
+        """Node i handled `event` and returned `actions`."""
+
+    def before_deliver(self, cluster: Cluster, i: int, payload: Any) -> None:
+        """A message is about to be handed to node i."""
+
+    def on_crash(self, cluster: Cluster, i: int) -> None:
+        """Node i crashed."""
+
+    def on_restart(self, cluster: Cluster, i: int) -> None:
+        """Node i started a new incarnation."""
+
+    def on_partition(self, cluster: Cluster) -> None:
+        """The partition groups changed."""
+
+
+def _complete(obs: Any) -> Any:
+    """Give a duck-typed observer the hooks it lacks."""
+    for name in ("on_actions", "before_deliver", "on_crash", "on_restart", "on_partition"):
+        if not hasattr(obs, name):
+            setattr(obs, name, _noop)
+    return obs
+
+
+if __name__ == "__main__":
+    import sys
+
+    from p2ptrain.proto.convergence import main
+
+    raise SystemExit(main(sys.argv[1:]))
