@@ -11,6 +11,7 @@ The file-reading and timing live in `detect()`; `choose_batch` and `classify` ar
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import time
@@ -157,11 +158,12 @@ def choose_batch(
     activation_bytes_per_sample: int,
     target_step_seconds: float,
 ) -> tuple[int, int]:
-    """(batch, accumulation steps): the largest power of two that keeps a step near the
-    target time, split into micro-batches whose activations fit the memory share."""
+    """(batch, accumulation steps): the power of two nearest (in ratio) to the samples a step
+    of the target time can take, split into micro-batches whose activations fit the memory
+    share."""
     samples_per_second = hw.matmul_gflops * 1e9 * MODEL_EFFICIENCY / max(flops_per_sample, 1.0)
-    want = max(1, min(MAX_BATCH, int(samples_per_second * target_step_seconds)))
-    batch = 1 << (want.bit_length() - 1)  # round down to a power of two
+    want = min(float(MAX_BATCH), max(1.0, samples_per_second * target_step_seconds))
+    batch = 1 << round(math.log2(want))
     fits = max(1, int(hw.memory_bytes * MEMORY_SHARE // max(activation_bytes_per_sample, 1)))
     accum = 1
     while batch // accum > fits and accum < batch:

@@ -22,10 +22,11 @@ def test_device_classes():
 
 
 def test_batch_follows_speed_and_memory():
-    # the default rwkv: ~4 MFLOP/token x 128 tokens per sample, ~20 MB activations per sample
-    flops, act = 4.2e6 * 128, 20 * 2**20
-    assert choose_batch(hw("x86_64", 32, 128, 1500), flops, act, 1.0) == (128, 1)
-    assert choose_batch(hw("aarch64", 4, 3.5, 12), flops, act, 1.0)[0] == 4
-    assert choose_batch(hw("aarch64", 4, 3.5, 20), flops, act, 1.0)[0] == 8
-    batch, accum = choose_batch(hw("x86_64", 32, 1.0, 1500), flops, act, 1.0)
+    # the default rwkv: 5.4 MFLOP/token x 64 tokens per sample, 4.5 MB activations per sample
+    flops, act = 5.41e6 * 64, int(4.5 * 2**20)
+    assert choose_batch(hw("x86_64", 32, 128, 1500), flops, act, 0.25) == (128, 1)  # server
+    assert choose_batch(hw("x86_64", 2, 23, 160), flops, act, 0.25) == (32, 1)  # this VM
+    assert choose_batch(hw("aarch64", 4, 3.5, 25), flops, act, 0.25) == (8, 1)  # Pi 4
+    assert choose_batch(hw("aarch64", 4, 3.5, 5), flops, act, 0.25) == (1, 1)  # a weak Pi
+    batch, accum = choose_batch(hw("x86_64", 32, 0.2, 1500), flops, act, 0.25)
     assert batch == 128 and accum > 1 and (batch // accum) * act <= 0.25 * 2**30

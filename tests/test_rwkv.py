@@ -52,7 +52,7 @@ def make_model(n_layer=2, n_embd=8, ctx_len=7, ffn_mult=2, wkv_chunk=4, dtype=np
     for slot in model.space:
         view = views[slot.name]
         if slot.name.endswith("time_decay"):
-            view[...] = rng.uniform(-2.0, 1.0, slot.shape)  # decays of 0.07 .. 2.7 per step
+            view[...] = rng.uniform(-2.0, 1.0, slot.shape)  # decays of 0.14 .. 2.7 per step
         else:
             view += rng.normal(0.0, 0.3, slot.shape)
     return model, flat.astype(dtype)

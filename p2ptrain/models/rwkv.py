@@ -9,9 +9,10 @@ runs the WKV recurrence (wkv.py) with per-channel decay w = -exp(time_decay) and
 u = time_first, gates it with sigmoid(r) and projects it out. ChannelMix is
 sigmoid(xr @ receptance) * (square(relu(xk @ key)) @ value). Matrices are stored (in, out).
 
-Positions are kept in chunk-major order: a (B, T) batch becomes N = B*T rows ordered
-(j, b, n) for position t = n*L + j (L = WKV chunk), so the WKV reads the channel-major
-projections (C, N) = (C, L, B*n) in place. Row-wise ops do not care about the order; token
+Positions are kept in chunk-major order: a (B, T) batch becomes N = B*n*L rows ordered
+(j, b, n) for position t = n*L + j (L = WKV chunk; T is padded up to n whole chunks and the
+padding is left out of the loss; it cannot affect real positions), so the WKV reads the
+channel-major projections (C, N) = (C, L, B*n) in place. Row-wise ops ignore the order; token
 shift and the token/target lookups are the only ones that do. Every op's backward sits next
 to its forward; computation happens in the dtype of the buffers given.
 
@@ -164,6 +165,8 @@ def _orthogonal(rng: np.random.Generator, rows: int, cols: int, gain: float) -> 
 
 
 class RWKV(Model):
+    """The built-in `rwkv` model: RWKV(RWKVConfig(...)); parameters live in flat buffers."""
+
     name = "rwkv"
 
     def __init__(self, config: RWKVConfig):
@@ -254,8 +257,9 @@ class RWKV(Model):
 
     # ------------------------------------------------------------ forward
 
-    def _forward(self, p, inputs, ws):
-        """Final hidden states h (N, C) in chunk-major row order, and what backward needs."""
+    def _forward(self, p, inputs, ws, keep=True):
+        """Final hidden states h (N, C) in chunk-major row order, and what backward needs.
+        keep=False (no backward to follow): all blocks share one set of scratch arrays."""
         B, T = inputs.shape
         L, n = self._layout(T)
         lay, N, C = (L, B, n), L * B * n, self.config.n_embd
@@ -265,15 +269,16 @@ class RWKV(Model):
         x = np.take(table, ids, axis=0, out=ws.empty("x", (N, C)))  # (N, C) residual stream
         blocks = []
         for i in range(self.config.n_layer):
-            att = self._time_mix_forward(p, i, x, lay, ws)
-            ffn = self._channel_mix_forward(p, i, x, lay, ws)
+            tag = f"{i}." if keep else "fwd."
+            att = self._time_mix_forward(p, i, x, lay, ws, tag + "att.")
+            ffn = self._channel_mix_forward(p, i, x, lay, ws, tag + "ffn.")
             blocks.append((att, ffn))
         lno_w, lno_b = p["ln_out.weight"], p["ln_out.bias"]
         h, lno = layer_norm(x, lno_w, lno_b, ws.empty("out.xhat", (N, C)), ws.empty("h", (N, C)))
         return h, (ids, ln0, blocks, lno)
 
-    def _time_mix_forward(self, p, i, x, lay, ws):
-        a, t = f"blocks.{i}.att.", f"{i}.att."
+    def _time_mix_forward(self, p, i, x, lay, ws, t):
+        a = f"blocks.{i}.att."  # parameter names; t prefixes this block's scratch arrays
         N, C = x.shape
         L, B, n = lay
         ln_w, ln_b = p[f"blocks.{i}.ln1.weight"], p[f"blocks.{i}.ln1.bias"]
@@ -297,8 +302,8 @@ class RWKV(Model):
         x += np.matmul(rwkv.T, p[a + "output"], out=ws.empty("out", (N, C)))
         return ln, d, xk, xv, xr, sr, w, wkv, wkv_cache, rwkv
 
-    def _channel_mix_forward(self, p, i, x, lay, ws):
-        f, t = f"blocks.{i}.ffn.", f"{i}.ffn."
+    def _channel_mix_forward(self, p, i, x, lay, ws, t):
+        f = f"blocks.{i}.ffn."
         N, C = x.shape
         F = self.config.ffn_mult * C
         ln_w, ln_b = p[f"blocks.{i}.ln2.weight"], p[f"blocks.{i}.ln2.bias"]
@@ -443,7 +448,7 @@ class RWKV(Model):
         B, T = inputs.shape
         with self._lock:
             p = self.space.views(flat)
-            h, _ = self._forward(p, inputs, self._workspace(B, T, flat.dtype))
+            h, _ = self._forward(p, inputs, self._workspace(B, T, flat.dtype), keep=False)
             return h @ p["head"]
 
     def loss(self, flat: np.ndarray, tokens: np.ndarray) -> float:
