@@ -131,8 +131,9 @@ def matmul_gflops(size: int = 512, seconds: float = 0.3) -> float:
     return flops / best / 1e9
 
 
-def detect(bench_seconds: float = 0.3) -> Hardware:
-    cg = _cgroup_dir()
+def detect(bench_seconds: float = 0.3, cgroup_dir: Path | None = None) -> Hardware:
+    """Measure this machine (or container: `cgroup_dir` defaults to this process's cgroup)."""
+    cg = cgroup_dir if cgroup_dir is not None else _cgroup_dir()
     cpu_limit = parse_cpu_max(_read(cg / "cpu.max"))
     mem_limit = parse_memory_max(_read(cg / "memory.max"))
     host = os.cpu_count() or 1

@@ -1,4 +1,11 @@
-from p2ptrain.hw import Hardware, choose_batch, classify, parse_cpu_max, parse_memory_max
+from p2ptrain.hw import (
+    Hardware,
+    choose_batch,
+    classify,
+    detect,
+    parse_cpu_max,
+    parse_memory_max,
+)
 
 
 def test_cgroup_files():
@@ -30,3 +37,17 @@ def test_batch_follows_speed_and_memory():
     assert choose_batch(hw("aarch64", 4, 3.5, 5), flops, act, 0.25) == (1, 1)  # a weak Pi
     batch, accum = choose_batch(hw("x86_64", 32, 0.2, 1500), flops, act, 0.25)
     assert batch == 128 and accum > 1 and (batch // accum) * act <= 0.25 * 2**30
+
+
+def test_detect_honours_cgroup_limits(tmp_path):
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    (tmp_path / "memory.max").write_text(f"{2**30}\n")
+    (tmp_path / "memory.current").write_text(f"{2**28}\n")
+    limited = detect(bench_seconds=0.01, cgroup_dir=tmp_path)
+    assert limited.cgroup_cpu_limit == 0.5 and limited.cpus == 0.5
+    assert limited.cgroup_memory_limit == 2**30
+    assert limited.memory_bytes == 2**30 - 2**28
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "memory.max").write_text("max\n")
+    free = detect(bench_seconds=0.01, cgroup_dir=tmp_path)
+    assert free.cgroup_cpu_limit is None and free.cpus >= 1 and free.memory_bytes > 2**28

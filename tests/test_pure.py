@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 PURE = ["p2ptrain.params", "p2ptrain.models", "p2ptrain.optim", "p2ptrain.data",
-        "p2ptrain.learner", "p2ptrain.swarmcount", "p2ptrain.sample"]
+        "p2ptrain.learner", "p2ptrain.swarmcount", "p2ptrain.sample", "p2ptrain.codecs"]
 
 
 def test_pure_modules_import_no_io_stack():
