@@ -32,6 +32,7 @@ _PARAMS = struct.Struct("<H2xI")  # levels, bucket
 _INFLATE = np.float32(1.0 + 2.0**-10)
 _MAX_NORM = np.float32(1.7e38)  # bucket norms above this are refused (decoding would overflow)
 _TINY = 2.0**-60  # buckets with a smaller norm are rescaled first (s/norm would overflow)
+_ROW_BUFFER_MIN = 1024  # smallest bucket for which decoding shrinks the ufunc buffer to a bucket
 
 
 def _code_bits(levels: int) -> int:
@@ -177,9 +178,20 @@ class QSGD(Codec):
             factors = (norms.astype(np.float64) * (weight / s)).astype(np.float32)
         check_decoded_scale(float(np.abs(factors).max()), 1.0, "qsgd", codes_max=s)
         temp = scratch("qsgd_dec", min(n, d * max(1, BLOCK // d)), np.float32)
-        for start, stop in _segments(n, d):
-            f = factors[start // d : start // d + ceil_div(stop - start, d)]
-            np.copyto(temp[: stop - start], codes[start:stop])  # faster than a mixed multiply
-            vals = temp[: stop - start].reshape(f.shape[0], -1)
-            np.multiply(vals, f[:, None], out=vals)
-            np.add(out[start:stop], temp[: stop - start], out=out[start:stop])
+        # With buckets shorter than the ufunc buffer (8192 elements), numpy copies the broadcast
+        # factors into buffers spanning several buckets and the multiply runs at ~0.4x a plain
+        # one; a buffer no longer than a bucket (numpy 1.x wants a multiple of 16) avoids that.
+        # The buffer size is per thread (per context in numpy 2) and restored below.
+        saved = None
+        if _ROW_BUFFER_MIN <= d < np.getbufsize():
+            saved = np.setbufsize(d - d % 16)
+        try:
+            for start, stop in _segments(n, d):
+                f = factors[start // d : start // d + ceil_div(stop - start, d)]
+                np.copyto(temp[: stop - start], codes[start:stop])  # faster than mixed multiply
+                vals = temp[: stop - start].reshape(f.shape[0], -1)
+                np.multiply(vals, f[:, None], out=vals)
+                np.add(out[start:stop], temp[: stop - start], out=out[start:stop])
+        finally:
+            if saved is not None:
+                np.setbufsize(saved)
