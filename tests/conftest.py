@@ -1,13 +1,20 @@
-"""Shared helpers: running the real `p2ptrain` command as a subprocess."""
+"""Shared helpers: running the real `p2ptrain` command as a subprocess.
+
+Tests run BLAS single-threaded: the small models here gain nothing from a second thread, and
+on a shared 2-core machine a 2-thread BLAS call waits for its descheduled twin (5-10x slower).
+"""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before anything imports numpy
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

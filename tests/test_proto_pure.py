@@ -56,3 +56,8 @@ def test_every_proto_file_says_what_it_owns():
         text = path.read_text()
         assert text.startswith('"""'), path.name
         assert len(text.splitlines()) <= 450, path.name
+
+
+def test_the_training_node_is_among_the_checked_modules():
+    for name in ("node", "training", "gossipmsg", "trainharness", "harness"):
+        assert f"p2ptrain.proto.{name}" in MODULES

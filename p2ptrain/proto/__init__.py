@@ -1,5 +1,6 @@
-"""The control plane: wire messages, SWIM-like membership, lease-based leader election, and a
-deterministic in-memory cluster harness to test them.
+"""The protocol: wire messages, SWIM-like membership, lease-based leader election, gossip
+training (gradient pushes, push-pull averaging) composed with the learner in one `Node`, and
+deterministic in-memory cluster harnesses to test them.
 
 Pure code (sans-IO): nothing in this package reads the clock, sleeps, uses global random state
 or touches sockets, asyncio, aiohttp or zeroconf. Time and seeded generators are arguments.
@@ -16,7 +17,9 @@ from p2ptrain.proto.events import (
     Action,
     Deliver,
     Discovered,
+    Evaluated,
     Event,
+    Finished,
     LeaderChanged,
     Leave,
     MemberDown,
@@ -25,19 +28,23 @@ from p2ptrain.proto.events import (
     Received,
     Refused,
     RemoteError,
+    RunStep,
     SaveCheckpoint,
     Send,
+    StepDone,
     Tick,
 )
 from p2ptrain.proto.messages import BODY_TYPES, PROTOCOL_VERSION, Body, Envelope, Header, register
+from p2ptrain.proto.node import Node, NodeConfig
 from p2ptrain.proto.records import LeaderView, MemberInfo, Update, differing_keys, fingerprint_of
 from p2ptrain.proto.wire import decode, encode
 
 __all__ = [
     "BODY_TYPES", "LAN", "LOCAL", "PRESETS", "PROTOCOL_VERSION", "WAN", "Action", "Body",
-    "Control", "Deliver", "Discovered", "Envelope", "Event", "Header", "LeaderChanged",
-    "LeaderView", "Leave", "LocalProtocolError", "MemberDown", "MemberInfo", "MemberUp",
-    "Progress", "ProtoConfig", "Received", "Refused", "RemoteError", "RemoteProtocolError",
-    "SaveCheckpoint", "Send", "Tick", "Update", "decode", "differing_keys", "encode",
-    "fingerprint_of", "register",
+    "Control", "Deliver", "Discovered", "Envelope", "Evaluated", "Event", "Finished",
+    "Header", "LeaderChanged", "LeaderView", "Leave", "LocalProtocolError", "MemberDown",
+    "MemberInfo", "MemberUp", "Node", "NodeConfig", "Progress", "ProtoConfig", "Received",
+    "Refused", "RemoteError", "RemoteProtocolError", "RunStep", "SaveCheckpoint", "Send",
+    "StepDone", "Tick", "Update", "decode", "differing_keys", "encode", "fingerprint_of",
+    "register",
 ]

@@ -110,6 +110,11 @@ class Control:
         """alive/suspect/dead/left, or None if unknown."""
         return self.membership.table.state_of(node_id)
 
+    def member(self, node_id: str) -> tuple[str, int, MemberInfo] | None:
+        """(state, incarnation, info) of one known member, or None."""
+        m = self.membership.table.members.get(node_id)
+        return None if m is None else (m.state, m.incarnation, m.info)
+
     def members(self) -> dict[str, tuple[str, int, MemberInfo]]:
         """node id -> (state, incarnation, info) for every known member but this node."""
         return {i: (m.state, m.incarnation, m.info)
@@ -126,6 +131,15 @@ class Control:
                  "outbound_only": info.outbound_only, "samples": samples.get(info.node_id),
                  "leader": info.node_id == self.leader}
                 for info, state, inc in rows]
+
+    def sample_counts(self) -> dict[str, int]:
+        """The swarm sample G-counter as the control plane knows it (headers, syncs)."""
+        return self.membership.samples.as_dict()
+
+    def merge_samples(self, counts: dict[str, int]) -> None:
+        """Fold in G-counter entries learnt elsewhere (averaging bodies, a checkpoint), so
+        member-list exchanges spread them. Merged by max: nothing ever decreases."""
+        self.membership.samples.merge(counts)
 
     def live_members(self) -> list[MemberInfo]:
         return [m.info for m in self.membership.table.members.values() if m.live]

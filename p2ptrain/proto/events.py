@@ -1,11 +1,13 @@
-"""What goes into the control plane (events) and what comes out (actions).
+"""What goes into the control plane and the training node (events) and what comes out
+(actions).
 
-`Control.handle(now, event)` takes one event and returns a list of actions; the driver (the
-asyncio runtime, the simulator, the test harness) performs the actions and feeds back what
-happens as events. All are frozen, slotted dataclasses. A driver must handle every action
-type it may receive; unknown future actions can be ignored safely only if they are
-notifications (MemberUp, MemberDown, LeaderChanged, Refused, RemoteError). This file owns
-the shapes only; it never decides anything.
+`Control.handle(now, event)` and `Node.handle(now, event)` take one event and return a list
+of actions; the driver (the asyncio runtime, the simulator, the test harness) performs the
+actions and feeds back what happens as events. `StepDone`, `Evaluated`, `RunStep` and
+`Finished` concern only a training `Node`. All are frozen, slotted dataclasses. A driver
+must handle every action type it may receive; unknown future actions can be ignored safely
+only if they are notifications (MemberUp, MemberDown, LeaderChanged, Refused, RemoteError,
+Finished). This file owns the shapes only; it never decides anything.
 """
 
 from __future__ import annotations
@@ -58,6 +60,22 @@ class Progress(Event):
 @dataclass(frozen=True, slots=True)
 class Leave(Event):
     """Shut down: announce departure (and resign, if leading); afterwards the node is inert."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone(Event):
+    """The driver finished the `RunStep` of the same `step`: the learner's gradient buffer
+    holds the batch gradient and `loss` is the batch's mean loss (training nodes only)."""
+
+    step: int  # the RunStep's step number
+    loss: float  # mean training loss of the batch (nats/token); not finite: step discarded
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluated(Event):
+    """The driver measured the held-out loss of the replica (for status; training nodes)."""
+
+    eval_loss: float
 
 
 # -- actions (control plane -> driver) ---------------------------------------------------------
@@ -136,6 +154,23 @@ class RemoteError(Action):
     addr: str
     sender: str | None  # node id, when the header could be read
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunStep(Action):
+    """Compute the gradient of the next local batch now (`learner.compute_gradient()`), off
+    the event loop, and report `StepDone(step, loss)`. Until then the node writes no
+    parameter, so the computation may read them from another thread."""
+
+    step: int  # local step number the gradient is for (1-based)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished(Action):
+    """The swarm sample count reached the run's total: this node takes no more steps."""
+
+    step: int
+    swarm_samples: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,10 @@ replies reach it, as through NAT). `crash(i)` loses the node's state but for its
 (node id, incarnation counter, highest term it claimed); `restart(i)` starts a new
 incarnation that rediscovers the others' addresses (mDNS). Virtual time advances event by
 event, waking each node at its `next_deadline()`. A simple trainer feeds `Progress` events.
+Each node's state machine is a bare `Control` unless `make_machine` builds something else
+with the same `handle`/`next_deadline` (a training Node: trainharness.py), and actions the
+cluster does not perform itself go to `on_action` (a subclass runs RunStep there). With
+`Network.bandwidth` set, a message also takes its size / bandwidth to arrive.
 Observers see every delivery and every action, to check invariants as the run goes.
 
 Nothing here reads the clock or global randomness; one seed fixes the whole run. Run
@@ -52,6 +56,7 @@ class Network:
     """How the simulated network treats messages (every field may change during a run)."""
 
     delay: tuple[float, float] = (0.001, 0.010)  # one-way delay range, s (uniform)
+    bandwidth: float | None = None  # bytes/s of every link: adds size/bandwidth; None: free
     loss: float = 0.0  # fraction of messages dropped
     duplicate: float = 0.0  # fraction delivered twice
     reorder: float = 0.0  # fraction delayed by up to reorder_delay more (overtaken by others)
@@ -60,12 +65,12 @@ class Network:
 
 @dataclass
 class Node:
-    """One machine of the cluster: its identity survives crashes, its control plane does not."""
+    """One machine of the cluster: its identity survives crashes, its state machine does not."""
 
     index: int
     info: MemberInfo
     seeds: list[str]  # addresses it discovers at every start
-    control: Control | None = None
+    machine: Any = None  # what handles its events: a Control, or a training Node; None: down
     incarnation: int = 0  # the identity file's counter (bumped at every start)
     term_floor: int = 0  # highest term it ever claimed (persisted by a real driver)
     generation: int = 0  # bumped at every crash and restart
@@ -77,7 +82,13 @@ class Node:
 
     @property
     def up(self) -> bool:
-        return self.control is not None
+        return self.machine is not None
+
+    @property
+    def control(self) -> Control | None:
+        """The node's control plane (the machine itself, or the one a training node holds)."""
+        machine = self.machine
+        return machine if machine is None or type(machine) is Control else machine.control
 
 
 class Cluster:
@@ -87,7 +98,7 @@ class Cluster:
                  network: Network | None = None, outbound_only: Iterable[int] = (),
                  priorities: list[int] | None = None, seeds: str = "all", wire_format: bool = False,
                  train: bool = True, progress_interval: float = 0.5, start: bool = True,
-                 observers: Iterable[Any] = ()):
+                 observers: Iterable[Any] = (), make_machine: MachineFactory | None = None):
         self.config = config
         self.network = network or Network()
         self.rng = random.Random(seed)
@@ -95,6 +106,7 @@ class Cluster:
         self.now = 0.0
         self.wire_format = wire_format
         self.progress_interval = progress_interval
+        self.make_machine = make_machine or _make_control
         self.observers: list[Any] = [_complete(obs) for obs in observers]
         self._heap: list[tuple] = []
         self._seq = 0
@@ -169,7 +181,7 @@ class Cluster:
         node = self.nodes[i]
         if not node.up:
             return
-        node.control, node.wake_at = None, None
+        node.machine, node.wake_at = None, None
         node.generation += 1
         node.lives[-1][1] = self.now
         for obs in self.observers:
@@ -182,8 +194,7 @@ class Cluster:
         node.incarnation += 1
         node.generation += 1
         rng = random.Random(f"{self.seed}/{i}/{node.incarnation}")
-        node.control = Control(self.config, node.info, incarnation=node.incarnation,
-                               now=self.now, rng=rng, term_floor=node.term_floor)
+        node.machine = self.make_machine(self, node, rng)
         node.lives.append([self.now, float("inf")])
         for obs in self.observers:
             obs.on_restart(self, i)
@@ -237,6 +248,9 @@ class Cluster:
             raise ValueError(f"node {i} is down")
         return control
 
+    def on_action(self, node: Node, action: Action) -> None:
+        """Perform an action the cluster itself does not know (subclasses: RunStep...)."""
+
     def inject(self, i: int, message: Any, addr: str = "192.0.2.1:7100") -> list[Action]:
         """Hand node i a message directly (bytes or Envelope); returns its actions."""
         return self._handle(self.nodes[i], Received(addr, message), deliver_sends=False)
@@ -248,7 +262,7 @@ class Cluster:
         heapq.heappush(self._heap, (t, self._seq, kind, a, b, c))
 
     def _handle(self, node: Node, event: Event, deliver_sends: bool = True) -> list[Action]:
-        actions = node.control.handle(self.now, event)
+        actions = node.machine.handle(self.now, event)
         for obs in self.observers:
             obs.on_actions(self, node.index, event, actions)
         for action in actions:
@@ -257,14 +271,17 @@ class Cluster:
                     self._send(node, action)
             elif type(action) is SaveCheckpoint:
                 self.checkpoints.append((self.now, node.index, action))
-            elif type(action) is LeaderChanged and action.leader == node.info.node_id:
-                node.term_floor = max(node.term_floor, action.term)
-        if node.control is not None:
+            elif type(action) is LeaderChanged:
+                if action.leader == node.info.node_id:
+                    node.term_floor = max(node.term_floor, action.term)
+            else:
+                self.on_action(node, action)
+        if node.machine is not None:
             self._reschedule(node)
         return actions
 
     def _reschedule(self, node: Node) -> None:
-        d = node.control.next_deadline()
+        d = node.machine.next_deadline()
         if d is not None and d != node.wake_at:
             node.wake_at = d
             self._push(max(d, self.now), _WAKE, node.index, node.generation, d)
@@ -285,8 +302,12 @@ class Cluster:
         payload = wire.encode(send.envelope) if self.wire_format else send.envelope
         copies = 2 if net.duplicate and rng.random() < net.duplicate else 1
         lo, hi = net.delay
+        transfer = 0.0
+        if net.bandwidth:
+            size = len(payload) if self.wire_format else wire.size(send.envelope)
+            transfer = size / net.bandwidth
         for _ in range(copies):
-            delay = lo + (hi - lo) * rng.random()
+            delay = lo + (hi - lo) * rng.random() + transfer
             if net.reorder and rng.random() < net.reorder:
                 delay += net.reorder_delay * rng.random()
             self._push(self.now + delay, _DELIVER, dst, payload, node.index)
@@ -312,6 +333,15 @@ class Cluster:
             if node.up:
                 self._handle(node, Progress(node.step, swarm, node.step * 8))
         self._push(self.now + dt, _TRAIN, None)
+
+
+MachineFactory = Callable[[Cluster, Node, random.Random], Any]
+
+
+def _make_control(cluster: Cluster, node: Node, rng: random.Random) -> Control:
+    """The default machine: a bare control plane."""
+    return Control(cluster.config, node.info, incarnation=node.incarnation, now=cluster.now,
+                   rng=rng, term_floor=node.term_floor)
 
 
 def _noop(*args: Any) -> None:

@@ -59,6 +59,18 @@ def encode(envelope: Envelope) -> bytes:
     return _FRAME.pack(MAGIC, FRAME_VERSION, type_id, 0, len(text), len(tail)) + text + tail
 
 
+def size(envelope: Envelope) -> int:
+    """Bytes `encode(envelope)` would produce, without joining the binary tail."""
+    body = envelope.body
+    if type(body) not in TYPE_IDS:
+        raise TypeError(f"{type(body).__name__} is not a registered message body")
+    blobs: list[bytes] = []
+    body_enc, _ = schema.compile_class(type(body))
+    doc = [_HEADER_ENC(envelope.header, blobs), body_enc(body, blobs)]
+    text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    return FRAME_SIZE + len(text.encode()) + sum(len(b) for b in blobs)
+
+
 def decode(data: bytes | bytearray | memoryview) -> Envelope:
     """Parse and validate one message; RemoteProtocolError with a reason on any defect."""
     try:

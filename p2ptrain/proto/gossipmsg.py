@@ -1,0 +1,115 @@
+"""The message bodies of gossip training (wire ids 32-63): gradient pushes and push-pull
+parameter averaging.
+
+They ride in the control plane's `Envelope` (`Control.wrap`), so every one of them carries
+the sender's header -- its own entry of the swarm sample G-counter, its leader view, and
+piggybacked membership updates -- at no extra cost. Tensor data travels as codec chunk
+messages (`p2ptrain.codecs` wire format: each chunk has its own header and checksum) in
+`bytes` fields, which go into the binary tail of the frame unescaped.
+
+- `GradientPush`: one chunk of the sender's latest gradient, fire and forget.
+- `GradientReply`: the same, sent in the response to an outbound-only member's push: how
+  gradients reach a node nobody can connect to.
+- `AverageRequest` / `AverageReply`: the two snapshots of one push-pull averaging exchange,
+  each with the sender's whole G-counter (averaging is rare, so the full counter is cheap
+  there; gradient pushes carry only the header's own entry). A reply with no chunks declines.
+
+`check()` refuses what no honest peer sends (negative counters, malformed counter keys, too
+many chunks); whether the chunks decode, match this node's model and come from the header's
+sender is checked by the training node (training.py) before anything changes. This file owns
+the shapes only: no state, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2ptrain.proto.messages import Body, register
+from p2ptrain.proto.records import check_count, check_node_id
+
+MAX_CHUNKS = 1024  # chunk messages in one averaging body
+MAX_COUNTER_ENTRIES = 65536  # node ids in one G-counter
+
+
+def _check_counts(counts: dict[str, int]) -> None:
+    if len(counts) > MAX_COUNTER_ENTRIES:
+        raise ValueError("sample counter has too many entries")
+    for node_id, n in counts.items():
+        check_node_id(node_id, "sample counter key")
+        check_count(n, "sample count")
+
+
+def _check_progress(step: int, loss: float) -> None:
+    check_count(step, "step")
+    if not loss >= 0.0:
+        raise ValueError("loss must be >= 0")
+
+
+@register(32)
+@dataclass(frozen=True, slots=True)
+class GradientPush(Body):
+    """One chunk of the sender's gradient of local step `step`."""
+
+    step: int  # sender's local step the gradient belongs to
+    loss: float  # sender's training loss at that step (for status)
+    chunk: bytes  # one codec chunk message (its header names codec, sender, weight, samples)
+
+    def check(self) -> None:
+        _check_progress(self.step, self.loss)
+
+
+@register(33)
+@dataclass(frozen=True, slots=True)
+class GradientReply(Body):
+    """One chunk of the responder's latest gradient, answering an outbound-only member's
+    push (sent in the response, the only way to reach it)."""
+
+    step: int
+    loss: float
+    chunk: bytes
+
+    def check(self) -> None:
+        _check_progress(self.step, self.loss)
+
+
+@register(34)
+@dataclass(frozen=True, slots=True)
+class AverageRequest(Body):
+    """Open a push-pull averaging exchange: the initiator's snapshot."""
+
+    seed: int  # the exchange's seed: chooses the covered coordinates; every chunk carries it
+    step: int  # initiator's local step when it snapshotted
+    counts: dict[str, int]  # initiator's swarm sample G-counter
+    chunks: tuple[bytes, ...]  # the snapshot as codec chunk messages, in index order
+
+    def check(self) -> None:
+        check_count(self.seed, "seed")
+        check_count(self.step, "step")
+        _check_counts(self.counts)
+        if not 1 <= len(self.chunks) <= MAX_CHUNKS:
+            raise ValueError(f"an averaging request needs 1..{MAX_CHUNKS} chunks")
+
+
+@register(35)
+@dataclass(frozen=True, slots=True)
+class AverageReply(Body):
+    """The responder's snapshot for the exchange `seed` (already applied on its side), or no
+    chunks: declined (busy with another exchange, or not training)."""
+
+    seed: int
+    step: int
+    counts: dict[str, int]
+    chunks: tuple[bytes, ...]
+
+    def check(self) -> None:
+        check_count(self.seed, "seed")
+        check_count(self.step, "step")
+        _check_counts(self.counts)
+        if len(self.chunks) > MAX_CHUNKS:
+            raise ValueError(f"an averaging reply has at most {MAX_CHUNKS} chunks")
+
+
+GOSSIP_BODIES: tuple[type[Body], ...] = (GradientPush, GradientReply, AverageRequest,
+                                         AverageReply)
+
+__all__ = ["GOSSIP_BODIES", "AverageReply", "AverageRequest", "GradientPush", "GradientReply"]

@@ -1,0 +1,309 @@
+"""A training node: the control plane, gossip training and the learner behind one sans-IO
+object -- the only thing a driver (the asyncio runtime, the simulator, the test harness)
+touches.
+
+    node = Node(LAN, me, learner, NodeConfig(), incarnation=1, now=t0, rng=random.Random(s))
+    for action in node.handle(now, event):      # Tick, Received, Discovered, StepDone, ...
+        RunStep  -> loss = learner.compute_gradient() off the loop (thread / modelled time),
+                    then node.handle(later, StepDone(action.step, loss))
+        Send     -> wire.encode(action.envelope), POST it (reply=True: in the response)
+        SaveCheckpoint, LeaderChanged, Finished, MemberUp/Down, RemoteError ... as for Control
+    wake at node.next_deadline() with Tick()
+
+Rules it keeps:
+- One step at a time: `RunStep(k)` is emitted when training may go on and no step is
+  outstanding; `StepDone(k, loss)` must answer it. Meanwhile every other event is handled as
+  usual (heartbeats, probes, averaging requests are answered; gradients are queued), and the
+  learner's parameters are not written until the StepDone (training.py holds the results).
+- After a StepDone: the swarm sample G-counter known to the control plane is merged into the
+  learner's (by max, so the LR schedule never runs backwards), the gradient is pushed, mixed
+  and applied, the control plane gets `Progress`, and a `Finished` action ends training when
+  the swarm count reaches the run's total.
+- Gossip bodies are checked completely *before* the control plane sees their header: a
+  malformed one yields `RemoteError` and leaves membership, election, the learner's
+  parameters and optimiser state as they were. A caller error raises `LocalProtocolError`.
+- Push targets and averaging partners are members the control plane holds *alive* (never
+  suspect or dead) that accept connections (not outbound-only).
+
+`status()` is the `/v1/status` document. This file owns the composition, the phase, the step
+hand-off and per-peer traffic counts; it never does I/O, reads the clock or uses global
+random state.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from p2ptrain.codecs import DEFAULT_CHUNK, CodecError
+from p2ptrain.codecs.kernels import all_finite
+from p2ptrain.proto import wire
+from p2ptrain.proto.config import ProtoConfig
+from p2ptrain.proto.control import Control
+from p2ptrain.proto.errors import LocalProtocolError, RemoteProtocolError
+from p2ptrain.proto.events import (
+    Action,
+    Deliver,
+    Discovered,
+    Evaluated,
+    Event,
+    Finished,
+    Leave,
+    Progress,
+    Received,
+    RemoteError,
+    RunStep,
+    Send,
+    StepDone,
+    Tick,
+)
+from p2ptrain.proto.gossip import GossipConfig
+from p2ptrain.proto.gossipmsg import GOSSIP_BODIES
+from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
+from p2ptrain.proto.records import ALIVE, MemberInfo
+from p2ptrain.proto.training import GossipTrainer
+
+if TYPE_CHECKING:
+    from p2ptrain.learner import Learner
+
+JOINING, TRAINING, FINISHED, STOPPED = "joining", "training", "finished", "stopped"
+MAX_PINGS_TIMED = 256  # probes awaiting their ack for the RTT, at most
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Knobs of a training node beyond the control plane's `ProtoConfig`."""
+
+    gossip: GossipConfig = field(default_factory=GossipConfig)  # gradient gossip, averaging
+    average_timeout: float = 5.0  # s; an averaging exchange without a reply is given up
+    min_peers: int = 0  # alive peers to know before the first step ("joining" until then)
+    join_timeout: float = 10.0  # s; train anyway after this long with fewer peers
+    chunk_elems: int = DEFAULT_CHUNK  # elements per codec chunk message
+
+    def __post_init__(self) -> None:
+        if not (self.average_timeout > 0 and self.join_timeout >= 0 and self.min_peers >= 0
+                and self.chunk_elems >= 1):
+            raise ValueError("bad node settings")
+
+
+class Node:
+    """Control plane + gossip training + learner for one machine; see the module docstring."""
+
+    def __init__(self, proto: ProtoConfig, me: MemberInfo, learner: Learner,
+                 config: NodeConfig | None = None, *, incarnation: int, now: float,
+                 rng: random.Random, term_floor: int = 0):
+        if learner.node_id != me.node_id:
+            raise LocalProtocolError("the learner trains under another node id")
+        self.config = config = config or NodeConfig()
+        self.control = Control(proto, me, incarnation=incarnation, now=now, rng=rng,
+                               term_floor=term_floor)
+        self.learner = learner
+        self.trainer = GossipTrainer(config.gossip, learner,
+                                     np.random.default_rng(rng.getrandbits(64)),
+                                     average_timeout=config.average_timeout,
+                                     chunk_elems=config.chunk_elems)
+        self.phase = JOINING if config.min_peers > 0 else TRAINING
+        self.started = float(now)
+        self.outstanding: int | None = None  # step number of the RunStep in flight
+        self.loss: float | None = None  # training loss of the last applied step
+        self.eval_loss: float | None = None  # last held-out loss the driver reported
+        self.skipped = 0  # steps discarded for a non-finite loss or gradient
+        self.bytes_in: Counter[str] = Counter()  # wire bytes received, per member
+        self.bytes_out: Counter[str] = Counter()  # wire bytes sent, per node id (or address)
+        self._pings: dict[tuple[str, int], float] = {}  # (target, seq) -> when it was sent
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self.control.node_id
+
+    @property
+    def is_leader(self) -> bool:
+        return self.control.is_leader
+
+    def alive_peers(self) -> list[tuple[str, str]]:
+        """(node id, addr) of members held alive that accept connections, sorted by id."""
+        return sorted((i, info.addr) for i, (state, _, info) in self.control.members().items()
+                      if state == ALIVE and not info.outbound_only)
+
+    def _alive_count(self) -> int:
+        return sum(1 for state, _, _ in self.control.members().values() if state == ALIVE)
+
+    def next_deadline(self) -> float | None:
+        if self.phase == STOPPED:
+            return None
+        deadlines = [self.control.next_deadline(), self.trainer.next_deadline()]
+        if self.phase == JOINING:
+            deadlines.append(self.started + self.config.join_timeout)
+        known = [d for d in deadlines if d is not None]
+        return min(known) if known else None
+
+    # -- the state machine --------------------------------------------------------------------
+
+    def handle(self, now: float, event: Event) -> list[Action]:
+        """Process one event at `now` (never earlier than the previous call)."""
+        if not isinstance(now, int | float) or not self.control.now <= now < math.inf:
+            raise LocalProtocolError(f"bad time {now!r} (last {self.control.now})")
+        kind = type(event)
+        msgs: list[Out] = []
+        if kind is StepDone:
+            actions = self._step_done(now, event, msgs)
+        elif kind is Received:
+            actions = self._received(now, event, msgs)
+        elif kind is Evaluated:
+            if not (isinstance(event.eval_loss, numbers.Real) and event.eval_loss >= 0):
+                raise LocalProtocolError("Evaluated.eval_loss must be a number >= 0")
+            self.eval_loss = float(event.eval_loss)
+            actions = []
+        elif kind in (Tick, Discovered, Leave):
+            actions = self.control.handle(now, event)
+            if kind is Tick:
+                self.trainer.tick(now)
+            elif kind is Leave:
+                self.phase = STOPPED
+                self.trainer.close()
+        elif kind is Progress:
+            raise LocalProtocolError("a training Node reports its own Progress")
+        else:
+            raise LocalProtocolError(f"unknown event {event!r}")
+        for out in msgs:
+            actions.append(self.control.wrap(out.to, out.addr, out.body, out.reply))
+        for action in actions:
+            if type(action) is Send:
+                self.bytes_out[action.to or action.addr] += wire.size(action.envelope)
+                body = action.envelope.body
+                if type(body) is Ping and body.target == action.to:
+                    self._time_ping(now, body.target, body.seq)
+        self._maybe_step(now, actions)
+        return actions
+
+    def _time_ping(self, now: float, target: str, seq: int) -> None:
+        """Remember when a direct probe left, to time its ack (the RTT in status and in the
+        choice of push targets)."""
+        self._pings[(target, seq)] = now
+        if len(self._pings) > MAX_PINGS_TIMED:
+            del self._pings[next(iter(self._pings))]
+
+    def _acked(self, now: float, sender: str, body: Ack) -> None:
+        sent = self._pings.pop((sender, body.seq), None) if body.target == sender else None
+        if sent is not None:
+            self.trainer.peers.observe_rtt(sender, now - sent, now)
+
+    def _received(self, now: float, event: Received, msgs: list[Out]) -> list[Action]:
+        message = event.message
+        if type(message) is Envelope:
+            size = wire.size(message)
+        else:
+            try:
+                size, message = len(message), wire.decode(message)
+            except (RemoteProtocolError, TypeError):
+                return self.control.handle(now, event)  # refuses it with the reason
+        header, body = message.header, message.body
+        parsed = None
+        gossip = isinstance(body, GOSSIP_BODIES)
+        if gossip and self.control.member(header.sender) is not None:
+            try:  # checked whole before the header may change anything
+                parsed = self.trainer.parse(header.sender, body)
+            except CodecError as exc:
+                return [RemoteError(event.addr, header.sender, exc.reason)]
+        actions = self.control.handle(now, Received(event.addr, message))
+        if type(body) is Ack:
+            self._acked(now, header.sender, body)
+        known = self.control.member(header.sender)
+        if known is not None:
+            self.bytes_in[header.sender] += size
+        if not gossip:
+            return actions
+        out: list[Action] = []
+        for action in actions:
+            if type(action) is not Deliver or action.envelope is not message:
+                out.append(action)
+                continue
+            try:
+                self.trainer.on_body(now, header.sender, event.addr, body, parsed,
+                                     busy=self.outstanding is not None,
+                                     outbound_sender=known is not None
+                                     and known[2].outbound_only, out=msgs,
+                                     decline=self.phase == JOINING)
+            except CodecError as exc:
+                out.append(RemoteError(event.addr, header.sender, exc.reason))
+        return out
+
+    def _step_done(self, now: float, event: StepDone, msgs: list[Out]) -> list[Action]:
+        if self.outstanding is None or event.step != self.outstanding:
+            raise LocalProtocolError(f"StepDone({event.step}) answers no outstanding RunStep "
+                                     f"(outstanding: {self.outstanding})")
+        self.outstanding = None
+        if self.phase == STOPPED:
+            return []
+        learner, trainer = self.learner, self.trainer
+        learner.count.merge(self.control.sample_counts())
+        trainer.flush()
+        loss = event.loss
+        if isinstance(loss, numbers.Real) and math.isfinite(loss) and all_finite(learner.grad):
+            peers = self.alive_peers()
+            trainer.step(now, float(loss), peers, peers, msgs)
+            self.loss = float(loss)
+        else:
+            self.skipped += 1
+        self.control.merge_samples(learner.count.as_dict())
+        finished = learner.finished
+        me = self.node_id
+        actions = self.control.handle(now, Progress(
+            learner.step, learner.count.total, learner.count.get(me), finished))
+        if finished and self.phase == TRAINING:
+            self.phase = FINISHED
+            actions.append(Finished(learner.step, learner.count.total))
+        return actions
+
+    def _maybe_step(self, now: float, actions: list[Action]) -> None:
+        if self.phase == JOINING and (self._alive_count() >= self.config.min_peers
+                                      or now >= self.started + self.config.join_timeout):
+            self.phase = TRAINING
+        if self.phase != TRAINING or self.outstanding is not None:
+            return
+        if self.learner.finished:  # e.g. restored from the run's final checkpoint
+            self.phase = FINISHED
+            actions.append(Finished(self.learner.step, self.learner.count.total))
+            return
+        self.outstanding = self.learner.step + 1
+        actions.append(RunStep(self.outstanding))
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """This node as plain data, the `/v1/status` document (`swarm` is the driver's)."""
+        learner, trainer = self.learner, self.trainer
+        rows = self.control.status()
+        members = []
+        for row in rows[1:]:
+            peer = row["node_id"]
+            stats = trainer.peers.get(peer)
+            step, loss = trainer.peer_progress.get(peer, (None, None))
+            members.append({
+                "node_id": peer, "addr": row["addr"], "state": row["state"],
+                "device_class": row["device_class"], "outbound_only": row["outbound_only"],
+                "leader": row["leader"], "step": step, "loss": loss, "samples": row["samples"],
+                "bytes_in": self.bytes_in[peer], "bytes_out": self.bytes_out[peer],
+                "rtt_ms": None if stats.rtt is None else stats.rtt * 1e3,
+                "bandwidth": stats.bandwidth,
+                "gradients_used": trainer.mixer.used[bytes.fromhex(peer)]})
+        mix = trainer.last_mix
+        return {
+            "node_id": self.node_id, "phase": self.phase, "step": learner.step,
+            "loss": self.loss, "eval_loss": self.eval_loss, "samples": learner.samples,
+            "swarm_samples": learner.count.total, "leader": self.control.leader,
+            "term": self.control.term, "is_leader": self.control.is_leader,
+            "bytes_in": sum(self.bytes_in.values()), "bytes_out": sum(self.bytes_out.values()),
+            "consensus_distance": trainer.distance, "skipped_steps": self.skipped,
+            "peers_last_mix": 0 if mix is None else len(mix.peers),
+            "gossip": dict(trainer.stats), "drops": dict(trainer.mixer.drops),
+            "members": members,
+        }

@@ -1,0 +1,282 @@
+"""The gossip-training sub-machine of a node: what happens to gradients and parameters between
+the control plane and the learner (steps 2-4 of DESIGN.md's training algorithm).
+
+After each local step (`step`): encode the own gradient (with error feedback), push it to
+`fanout` peers the caller found eligible (chosen by `PeerTable`, favouring fast links), mix it
+with the peer gradients queued since the last step (`GradientMixer`: sample-count weights,
+staleness in swarm samples, median-norm clipping), apply AdamW (`learner.apply_gradient`),
+and every `average_every` steps open a push-pull averaging exchange with one peer.
+
+Inbound bodies are parsed and checked completely (`parse`: framing, checksum, model length,
+the sender named in the chunks is the header's sender, values decode and are finite) before
+the node lets anything change; a defect raises CodecError and nothing moves. A gradient
+arriving while the driver computes is only queued. Parameters are written only between
+steps: the half steps of averaging exchanges that complete while a step is outstanding
+(`busy`) are summed into a pending-delta buffer and added by `flush` at the next `StepDone`,
+so a driver may compute in a worker thread while the event loop answers requests. A responder
+replies at once, from a snapshot (a read), and may answer any number of requests per step.
+A node that is not training yet (joining: its replica is the initial one) declines.
+
+Outbound-only peers: nobody may connect to them, so they are never push targets or averaging
+partners; they start exchanges themselves, and a push from one is answered with this node's
+latest gradient (`GradientReply`, sent in the response), once per own step.
+
+This file never does I/O, never reads the clock (times are passed in) and draws randomness
+only from the generator it is given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from p2ptrain.codecs import DEFAULT_CHUNK, CodecError, Message, parse_message
+from p2ptrain.proto.averaging import (
+    AveragingPlan,
+    AveragingReport,
+    ParameterAverager,
+    PeerSnapshot,
+    read_snapshot,
+)
+from p2ptrain.proto.gossip import GossipConfig, GradientMixer, MixReport, gradient_encoder
+from p2ptrain.proto.gossipmsg import AverageReply, AverageRequest, GradientPush, GradientReply
+from p2ptrain.proto.messages import Body, Out
+from p2ptrain.proto.peers import PeerTable
+
+if TYPE_CHECKING:
+    from p2ptrain.learner import Learner
+
+MAX_SEED = 2**53  # exchange seeds stay exact in JSON
+
+
+def covered(plan: AveragingPlan, seed: int) -> int:
+    """Coordinates the exchange `seed` covers under `plan` (what a peer's snapshot must hold)."""
+    runs = plan.subset(seed)
+    if runs is None:
+        return plan.n
+    starts = runs.astype(np.int64) * plan.block
+    return int((np.minimum(starts + plan.block, plan.n) - starts).sum())
+
+
+@dataclass(slots=True)
+class Exchange:
+    """The averaging exchange this node opened and still waits on."""
+
+    peer: str  # node id of the responder
+    seed: int
+    started: float  # when the request was made
+    deadline: float  # aborted if no reply by then
+    sent: int  # bytes of snapshot sent
+
+
+class GossipTrainer:
+    """Gradient gossip and parameter averaging around one learner; see the module docstring."""
+
+    def __init__(self, config: GossipConfig, learner: Learner, rng: np.random.Generator, *,
+                 average_timeout: float = 5.0, chunk_elems: int = DEFAULT_CHUNK):
+        n = int(learner.params.shape[0])
+        self.config = config
+        self.learner = learner
+        self.node_id = learner.node_id
+        self.sender = bytes.fromhex(learner.node_id)  # raw id in codec chunk headers
+        self.rng = rng
+        self.average_timeout = average_timeout
+        self.chunk_elems = chunk_elems
+        self.n = n
+        self.encoder = gradient_encoder(config, n)
+        self.mixer = GradientMixer(config, n)
+        self.plan = config.averaging_plan(n)
+        self.initiator = ParameterAverager(self.plan, chunk_elems)  # exchanges we open
+        self.responder = ParameterAverager(self.plan, chunk_elems)  # exchanges we answer
+        self.peers = PeerTable()  # RTT and bandwidth per peer: how push targets are chosen
+        self.exchange: Exchange | None = None
+        self.pending = np.zeros(n, np.float32)  # averaging half steps held while busy
+        self.dirty = False  # `pending` holds something
+        self.latest: tuple[int, float, list[bytes]] | None = None  # own last gradient sent
+        self.served: dict[str, int] = {}  # outbound-only peer -> own step last returned to it
+        self.peer_progress: dict[str, tuple[int, float | None]] = {}  # last (step, loss) heard
+        self.distance: float | None = None  # consensus distance of the last exchange (RMS)
+        self.last_mix: MixReport | None = None
+        self.stats: Counter[str] = Counter()
+        self._seed_base = int(rng.integers(0, 2**62))
+
+    # -- inbound ------------------------------------------------------------------------------
+
+    def parse(self, sender: str, body: Body) -> Message | PeerSnapshot | None:
+        """Check a gossip body from `sender` completely, changing nothing; CodecError names
+        the first defect. Returns the parsed chunk (gradients), the peer snapshot (averaging)
+        or None (a reply that declines)."""
+        raw_id = bytes.fromhex(sender)
+        if isinstance(body, GradientPush | GradientReply):
+            msg = parse_message(body.chunk)
+            if msg.vector_length != self.n:
+                raise CodecError(f"gradient has {msg.vector_length} elements, the model {self.n}")
+            if msg.sender_id != raw_id:
+                raise CodecError("gradient chunk names another sender than the message")
+            if not 0.0 < msg.weight <= self.config.max_sample_weight:
+                raise CodecError(f"sample weight {msg.weight} out of range")
+            if not math.isfinite(msg.sq_norm()):
+                raise CodecError("gradient chunk holds non-finite values")
+            return msg
+        if isinstance(body, AverageReply) and not body.chunks:
+            return None
+        snap = read_snapshot(body.chunks)
+        expected = covered(self.plan, body.seed)
+        if snap.sender != raw_id or snap.seed != body.seed:
+            raise CodecError("averaging chunks name another sender or exchange")
+        if snap.codec != self.initiator.codec or snap.length != expected:
+            raise CodecError(f"averaging snapshot ({snap.codec.name}, {snap.length} values) "
+                             f"does not match the plan ({self.initiator.codec.name}, {expected})")
+        for chunk in snap.chunks:
+            if not math.isfinite(chunk.sq_norm()):
+                raise CodecError("averaging snapshot holds non-finite values")
+        return snap
+
+    def on_body(self, now: float, sender: str, addr: str, body: Body, parsed: Any, *,
+                busy: bool, outbound_sender: bool, out: list[Out],
+                decline: bool = False) -> None:
+        """Act on a body `parse` accepted (`busy`: a step is outstanding; `decline`: refuse
+        averaging requests). CodecError if the mixer refuses the gradient (an absurd norm, a
+        duplicate chunk); nothing changes then."""
+        learner = self.learner
+        if isinstance(body, GradientPush | GradientReply):
+            arrival = self.mixer.receive(parsed, learner.count.total)
+            self.peer_progress[sender] = (body.step, body.loss)
+            self.stats[f"gradient_{arrival.value}"] += 1
+            if isinstance(body, GradientPush) and outbound_sender:
+                self._serve_latest(sender, addr, out)
+        elif isinstance(body, AverageRequest):
+            _, loss = self.peer_progress.get(sender, (0, None))
+            self.peer_progress[sender] = (body.step, loss)
+            learner.count.merge(body.counts)
+            self._respond(sender, addr, body, parsed, busy, decline, out)
+        elif isinstance(body, AverageReply):
+            learner.count.merge(body.counts)
+            ex = self.exchange
+            if ex is None or ex.peer != sender or ex.seed != body.seed:
+                self.stats["average_late"] += 1  # timed out already; nothing to undo
+                return
+            self.exchange = None
+            if parsed is None:
+                self.initiator.abort()
+                self.stats["average_declined"] += 1
+                return
+            received = sum(len(c) for c in body.chunks)
+            self.peers.observe_transfer(sender, ex.sent, received, now - ex.started, now)
+            self._finish(self.initiator, parsed, busy)
+
+    def _serve_latest(self, sender: str, addr: str, out: list[Out]) -> None:
+        if self.latest is None:
+            return
+        step, loss, chunks = self.latest
+        if self.served.get(sender, 0) >= step:
+            return
+        self.served[sender] = step
+        out.extend(Out(sender, addr, GradientReply(step, loss, c), reply=True) for c in chunks)
+        self.stats["gradient_replies"] += 1
+
+    def _respond(self, sender: str, addr: str, body: AverageRequest, snap: PeerSnapshot,
+                 busy: bool, decline: bool, out: list[Out]) -> None:
+        learner = self.learner
+        chunks: tuple[bytes, ...] = ()
+        if not decline:
+            self.responder.begin(learner.params, body.seed)  # a read: allowed while busy
+            chunks = tuple(bytes(c) for c in self.responder.messages(self.sender,
+                                                                     learner.count.total))
+        out.append(Out(sender, addr, AverageReply(body.seed, learner.step,
+                                                  learner.count.as_dict(), chunks), reply=True))
+        if decline:
+            self.stats["average_declined_by_us"] += 1
+            return
+        self.stats["average_answered"] += 1
+        self._finish(self.responder, snap, busy)
+
+    # -- parameter writes ---------------------------------------------------------------------
+
+    def _finish(self, averager: ParameterAverager, snap: PeerSnapshot, busy: bool) -> None:
+        """Close `averager`'s exchange: its half step goes to the parameters, or, while a step
+        is outstanding, into the pending delta."""
+        target = self.pending if busy else self.learner.params
+        try:
+            report: AveragingReport = averager.finish(target, snap)
+        except CodecError:  # too far apart (max_distance): refused, nothing applied
+            self.stats["average_refused"] += 1
+            return
+        self.dirty |= busy
+        self.distance = report.distance
+        self.stats["average_applied"] += 1
+
+    def flush(self) -> None:
+        """Add the held averaging half steps to the parameters (call while no step runs)."""
+        if self.dirty:
+            self.learner.params += self.pending
+            self.pending.fill(0.0)
+            self.dirty = False
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self, now: float, loss: float, targets: Sequence[tuple[str, str]],
+             partners: Sequence[tuple[str, str]], out: list[Out]) -> MixReport:
+        """Push, mix and apply the gradient in `learner.grad` (finite, from the batch whose
+        mean loss is `loss`); then open an averaging exchange if one is due. `targets` and
+        `partners` are (node id, addr) of the peers eligible for pushes and for averaging."""
+        learner, cfg = self.learner, self.config
+        swarm = learner.count.total
+        step = learner.step + 1
+        if cfg.fanout > 0:
+            chunks = [bytes(m) for m in self.encoder.encode_vector(
+                learner.grad, sender_id=self.sender, swarm_samples=swarm,
+                weight=float(learner.batch), seed=(self._seed_base + step) % 2**64,
+                chunk_elems=self.chunk_elems)]
+            self.latest = (step, loss, chunks)
+            addrs = dict(targets)
+            size = sum(len(c) for c in chunks)
+            for peer in self.peers.choose(addrs, cfg.fanout, self.rng, size):
+                out.extend(Out(peer, addrs[peer], GradientPush(step, loss, c)) for c in chunks)
+                self.stats["gradient_pushes"] += 1
+        report = self.mixer.mix(learner.grad, float(learner.batch), swarm)
+        self.last_mix = report
+        learner.apply_gradient(learner.grad, loss)
+        if cfg.averaging_due(learner.step) and self.exchange is None and partners:
+            self._begin_average(now, partners, out)
+        return report
+
+    def _begin_average(self, now: float, partners: Sequence[tuple[str, str]],
+                       out: list[Out]) -> None:
+        learner = self.learner
+        addrs = dict(partners)
+        (peer,) = self.peers.choose(addrs, 1, self.rng, 4 * self.plan.capacity)
+        seed = int(self.rng.integers(0, MAX_SEED))
+        self.initiator.begin(learner.params, seed)
+        chunks = tuple(bytes(c) for c in self.initiator.messages(self.sender,
+                                                                 learner.count.total))
+        self.exchange = Exchange(peer, seed, now, now + self.average_timeout,
+                                 sum(len(c) for c in chunks))
+        out.append(Out(peer, addrs[peer], AverageRequest(seed, learner.step,
+                                                         learner.count.as_dict(), chunks)))
+        self.stats["average_started"] += 1
+
+    # -- timers -------------------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        return self.exchange.deadline if self.exchange is not None else None
+
+    def tick(self, now: float) -> None:
+        ex = self.exchange
+        if ex is not None and now >= ex.deadline:
+            self.exchange = None
+            self.initiator.abort()
+            self.stats["average_timeout"] += 1
+
+    def close(self) -> None:
+        """Stop: forget the open exchange and held results (nothing more is applied)."""
+        self.exchange = None
+        self.pending.fill(0.0)
+        self.dirty = False
+        self.initiator.abort()
+        self.mixer.clear()

@@ -1,0 +1,81 @@
+"""Issue 4's training test: 8 Nodes with the default algorithm (gradient gossip with topk 1% +
+error feedback to 2 peers, push-pull averaging every 10 steps) train a small rwkv in virtual
+time through the harness -- real numpy gradients, the real control plane, every message
+through the wire encoding and a 10 Mbit/s network -- and reach a held-out loss, judged on the
+*worst* replica, within 5% of one node training on 8x the batch for the same total samples.
+Every node used gradients from at least 2 peers and the consensus distance stays bounded;
+the same run without communication (fanout=0, average_every=0) drifts at least 10x farther
+apart. About two minutes on 2 cores."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from p2ptrain.config import resolve
+from p2ptrain.data import load_corpus
+from p2ptrain.learner import Learner
+from p2ptrain.models.rwkv import RWKV, RWKVConfig
+from p2ptrain.proto.gossip import GossipConfig
+from p2ptrain.proto.harness import Network
+from p2ptrain.proto.node import NodeConfig
+from p2ptrain.proto.trainharness import TrainingCluster, consensus_distance
+
+NODES, BATCH, ROUNDS = 8, 16, 750
+TOTAL = NODES * BATCH * ROUNDS  # swarm samples of the whole run (96,000)
+EVAL_WINDOWS = 512
+MODEL = RWKV(RWKVConfig(n_layer=1, n_embd=32, ctx_len=32))
+TRAIN = SimpleNamespace(**{**vars(resolve(None, {}, {}).section("train")), "lr": 4e-3,
+                           "warmup_samples": TOTAL // 20, "total_samples": TOTAL})
+STEP_SECONDS = [0.05 * (1 + i / 14) for i in range(NODES)]  # the slowest is 1.5x the fastest
+
+
+def make_learner(corpus, node_id: str, batch: int) -> Learner:
+    return Learner(MODEL, node_id, TRAIN, corpus, batch, 1, EVAL_WINDOWS)
+
+
+def run_swarm(corpus, gossip: GossipConfig) -> tuple[TrainingCluster, list[float]]:
+    cluster = TrainingCluster(
+        NODES, 1, lambda i, node_id: make_learner(corpus, node_id, BATCH),
+        node_config=NodeConfig(gossip=gossip, min_peers=NODES - 1),
+        step_seconds=STEP_SECONDS, network=Network(bandwidth=1.25e6), wire_format=True)
+    cluster.run_until_finished(max_time=600.0)
+    assert cluster.all_finished() and len(cluster.finished_at) == NODES
+    return cluster, [learner.evaluate() for learner in cluster.learners()]
+
+
+@pytest.mark.slow
+def test_eight_gossiping_nodes_train_like_one_node_with_eight_times_the_batch():
+    corpus = load_corpus(None, 0.1, 40)
+    single = make_learner(corpus, "reference", NODES * BATCH)
+    while not single.finished:
+        single.train_step()
+    reference = single.evaluate()
+
+    swarm, losses = run_swarm(corpus, GossipConfig())
+    alone, alone_losses = run_swarm(corpus, GossipConfig(fanout=0, average_every=0))
+
+    distances = [d for _, d in swarm.distances]
+    final = consensus_distance([lr.params for lr in swarm.learners()])
+    final_alone = consensus_distance([lr.params for lr in alone.learners()])
+    peers_used = [len(n.machine.trainer.mixer.used) for n in swarm.nodes]
+    samples = sum(lr.samples for lr in swarm.learners())
+    print(f"\nheld-out loss: one node x{NODES} batch {reference:.4f}; swarm worst "
+          f"{max(losses):.4f} best {min(losses):.4f} ({max(losses) / reference - 1:+.1%}); "
+          f"no communication worst {max(alone_losses):.4f} best {min(alone_losses):.4f}\n"
+          f"consensus distance: swarm final {final:.5f}, max {max(distances):.5f}; "
+          f"no communication final {final_alone:.5f} ({final_alone / final:.0f}x)\n"
+          f"peers whose gradients each node used: {peers_used}; swarm samples {samples}; "
+          f"virtual time {swarm.now:.0f} s")
+
+    assert reference < 2.0  # the reference did learn
+    assert max(losses) <= 1.05 * reference
+    assert min(peers_used) >= 2
+    assert TOTAL <= samples <= 1.01 * TOTAL  # ended at the total (the count lags a little)
+    # Bounded: the distance never leaves a small band, and no upward trend late in the run.
+    half = len(distances) // 2
+    assert max(distances) < 0.25 * final_alone
+    assert max(distances[half:]) <= max(distances[:half])
+    assert final_alone >= 10 * final
+    assert all(len(n.machine.trainer.mixer.used) == 0 for n in alone.nodes)
