@@ -131,6 +131,48 @@ def _base_options() -> list[Option]:
           "--state-dir"),
         O("node.grace_seconds", float, 20.0, "time to stop cleanly after SIGINT/SIGTERM",
           minimum=1),
+        O("node.alone", bool, False, "train alone: no HTTP server, no discovery, no peers",
+          "--alone"),
+        O("node.priority", int, 0, "election priority: the live member with the highest "
+          "leads (ties: capability score, then node id)", "--priority"),
+        O("node.min_peers", int, 1, "peers to find before training starts (or after "
+          "node.join_timeout seconds, alone)", minimum=0),
+        O("node.join_timeout", float, 10.0, "seconds to wait for node.min_peers and for the "
+          "leader's checkpoint before training from the local state", minimum=0),
+        O("swarm.name", str, "", "swarm name (from `p2ptrain init`; empty: the demo swarm)"),
+        O("swarm.key_file", str, "", "file holding the swarm key (relative to the config "
+          "file's directory)"),
+        O("swarm.token", str, "", "join token from `p2ptrain init` (secret: prefer "
+          "--token-file)", "--token"),
+        O("swarm.token_file", str, "", "file holding the join token (e.g. a Docker secret)",
+          "--token-file"),
+        O("net.port", int, 7100, "TCP port of this node's HTTP API", "--port", None, 0),
+        O("net.bind", str, "0.0.0.0", "address the HTTP API listens on", "--bind"),
+        O("net.advertise", str, "", "address peers should use to reach this node "
+          "(empty: the first non-loopback address)", "--advertise"),
+        O("net.peers", str, "", "static seed peers, HOST:PORT separated by commas; a DNS "
+          "name stands for all its addresses", "--peer"),
+        O("net.mdns", bool, True, "find peers on the LAN by mDNS"),
+        O("net.outbound_only", bool, False, "this node cannot accept connections (NAT, "
+          "firewall): it starts every exchange and never leads", "--outbound-only"),
+        O("net.max_upload_mbps", float, 0.0, "cap on this node's upload, Mbit/s; 0: none",
+          "--max-upload-mbps", None, 0),
+        O("net.timing", str, "lan", "protocol timing preset: lan, wan (Starlink, internet) or "
+          "local (tests)", None, ("lan", "wan", "local")),
+        O("net.open_routes", bool, True, "serve /v1/status, /metrics and the dashboard "
+          "without authentication (read-only)"),
+        O("gossip.codec", str, "topk", "gradient codec", None,
+          ("none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd")),
+        O("gossip.fraction", float, 0.01, "share of coordinates topk/randomk send",
+          minimum=0),
+        O("gossip.fanout", int, 2, "peers each gradient is pushed to; 0: only averaging",
+          minimum=0),
+        O("gossip.average_every", int, 10, "local steps between parameter averagings; "
+          "0: never", minimum=0),
+        O("gossip.averaging", str, "full", "averaging exchange", None,
+          ("full", "fp16", "subset", "subset_fp16")),
+        O("gossip.max_staleness_samples", int, 4096, "peer gradients older than this many "
+          "swarm samples are dropped", minimum=0),
         O("log.format", str, "text", "progress output format", "--log-format", ("text", "json")),
         O("log.every_seconds", float, 5.0, "progress line interval", minimum=0.1),
     ]
@@ -213,11 +255,19 @@ def read_file(path: Path) -> dict[str, Any]:
     return _flatten(table)
 
 
-def resolve(config_file: str | None, env: Mapping[str, str], flags: Mapping[str, Any]) -> Config:
-    """Combine defaults < file < environment < flags. `flags` maps option keys to raw values
-    of the flags that were given."""
+def resolve(config_file: str | None, env: Mapping[str, str], flags: Mapping[str, Any],
+            adopted: Mapping[str, Any] | None = None, adopted_from: str = "the swarm") -> Config:
+    """Combine defaults < adopted < file < environment < flags. `flags` maps option keys to
+    raw values of the flags that were given; `adopted` is a swarm's configuration fetched from
+    a peer (`GET /v1/config`), checked here like a file."""
     values = {k: o.default for k, o in OPTIONS.items()}
     sources = dict.fromkeys(OPTIONS, "default")
+    for key, raw in (adopted or {}).items():
+        origin = f"configuration of {adopted_from}"
+        if key not in OPTIONS or not key.startswith(SWARM_KEY_PREFIXES):
+            raise ConfigError(f"{origin}: {key!r} is not a swarm-wide option")
+        values[key] = OPTIONS[key].parse(raw, origin)
+        sources[key] = f"swarm {adopted_from}"
     if config_file:
         origin = f"config file {config_file}"
         for key, raw in read_file(Path(config_file).expanduser()).items():
@@ -247,6 +297,18 @@ def resolve(config_file: str | None, env: Mapping[str, str], flags: Mapping[str,
 
 # Variables that are not options: the config file itself, and switches for tests.
 NON_OPTION_ENV = {"P2PTRAIN_CONFIG", "P2PTRAIN_FAULT"}
+
+# Options every member of a swarm must share: `GET /v1/config` serves them to a node that
+# joins with only a token. Everything else (data, batch, ports, codec) may differ per node.
+SWARM_KEY_PREFIXES = ("model.", "train.lr", "train.min_lr_ratio", "train.warmup_samples",
+                      "train.total_samples", "train.weight_decay", "train.beta1", "train.beta2",
+                      "train.grad_clip", "train.seed", "checkpoint.", "gossip.", "net.timing",
+                      "swarm.name")
+
+
+def swarm_options(cfg: Config) -> dict[str, Any]:
+    """The swarm-wide part of a configuration, as served by `GET /v1/config`."""
+    return {k: v for k, v in cfg.values.items() if k.startswith(SWARM_KEY_PREFIXES)}
 
 
 def config_file_from(flag_value: str | None, env: Mapping[str, str] = os.environ) -> str | None:

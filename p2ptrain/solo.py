@@ -61,15 +61,17 @@ def _fault_hook(spec: str | None, reporter: Reporter):
     return for_checkpoint
 
 
-def run(cfg: Config, reporter: Reporter) -> int:
+def prepare(cfg: Config, reporter: Reporter, alone: bool = True):
+    """Identity, learner (resumed from the newest valid local checkpoint) and checkpoint root
+    of the node whose state directory the configuration names."""
     state_dir = Path(cfg["node.state_dir"]).expanduser()
     identity = load_or_create(state_dir)
     model = build_model(cfg["model.name"], cfg.model_config())
     corpus = load_corpus(cfg["data.path"], cfg["data.holdout_fraction"], model.ctx_len + 2)
     train = cfg.section("train")
     batch, accum = train.batch, train.accum or 1
+    hw = detect() if batch == 0 or not alone else None
     if batch == 0:
-        hw = detect()
         batch, auto_accum = choose_batch(hw, model.flops_per_token() * model.ctx_len,
                                          model.activation_bytes_per_sample(),
                                          train.target_step_seconds)
@@ -85,8 +87,8 @@ def run(cfg: Config, reporter: Reporter) -> int:
     reporter.info(
         f"node {identity.node_id[:12]} (incarnation {identity.incarnation}) training "
         f"{model.name} ({model.space.n_params / 1e6:.2f}M parameters) on {corpus.name} "
-        f"({corpus.train.size:,} training / {corpus.heldout.size:,} held-out bytes), alone: "
-        f"networking is not built yet", event="start", node_id=identity.node_id,
+        f"({corpus.train.size:,} training / {corpus.heldout.size:,} held-out bytes)"
+        + (", alone" if alone else ""), event="start", node_id=identity.node_id,
         model=model.name, params=model.space.n_params, batch=batch)
 
     ckroot = state_dir / "checkpoints"
@@ -107,6 +109,12 @@ def run(cfg: Config, reporter: Reporter) -> int:
         reporter.info(f"resumed from {found.path.name}: step {learner.step}, "
                       f"{learner.swarm_samples:,} samples", event="resumed",
                       checkpoint=str(found.path), step=learner.step)
+    return identity, learner, ckroot, hw
+
+
+def run(cfg: Config, reporter: Reporter) -> int:
+    """Train alone until a bound is met or a signal arrives."""
+    identity, learner, ckroot, _ = prepare(cfg, reporter)
     return _loop(cfg, reporter, learner, identity, ckroot)
 
 

@@ -20,9 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment for a CLI subprocess: no P2PTRAIN_* from the caller, small BLAS pool."""
+    """The environment for a CLI subprocess: no P2PTRAIN_* from the caller, small BLAS pool,
+    a node that trains alone (no network: tests never join the demo swarm)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("P2PTRAIN_")}
     env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env["P2PTRAIN_ALONE"] = "true"  # tests of the networked node say so (swarm_env)
     env.update(extra)
     return env
 

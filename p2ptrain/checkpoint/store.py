@@ -31,12 +31,13 @@ from p2ptrain.checkpoint.safetensors_io import (
     write_safetensors,
 )
 from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
-from p2ptrain.identity import Identity, verify_signature
+from p2ptrain.identity import Identity, node_id_of, verify_signature
 
 FORMAT = "p2ptrain-checkpoint/1"
 MODEL_FILE, STATE_FILE, MANIFEST_FILE = "model.safetensors", "state.safetensors", "manifest.json"
 CHUNK_SIZE = 4 * 2**20
-NAME_RE = re.compile(r"^ckpt-t(\d{6,})-s(\d{10,})$")
+MAX_CHUNK_SIZE = 64 * 2**20  # a manifest's chunk size, at most (one read)
+NAME_RE = re.compile(r"ckpt-t([0-9]{6,})-s([0-9]{10,})")  # use with fullmatch
 TMP_PREFIX = ".tmp-ckpt-"
 STATE_META_KEY = "p2ptrain.state"
 
@@ -73,7 +74,7 @@ def list_checkpoints(root: Path) -> list[Path]:
         return []
     found = []
     for p in root.iterdir():
-        m = NAME_RE.match(p.name)
+        m = NAME_RE.fullmatch(p.name)
         if m and p.is_dir():
             found.append(((int(m.group(1)), int(m.group(2))), p))
     return [p for _, p in sorted(found, reverse=True)]
@@ -86,7 +87,8 @@ def stale_temporaries(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX))
 
 
-def _canonical(manifest: dict) -> bytes:
+def canonical_bytes(manifest: dict) -> bytes:
+    """What the leader's signature covers: the manifest without its signature, canonical JSON."""
     body = {k: v for k, v in manifest.items() if k != "signature"}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
@@ -132,7 +134,7 @@ def save(
             "files": {name: {"size": d.size, "chunk_size": d.chunk_size, "xxh3_64": d.chunks}
                       for name, d in digests.items()},
         }
-        manifest["signature"] = identity.sign(_canonical(manifest)).hex()
+        manifest["signature"] = identity.sign(canonical_bytes(manifest)).hex()
         atomic_write_bytes(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
         fsync_dir(tmp)
         if final.exists():  # the same (term, step) again: replace it
@@ -166,8 +168,10 @@ def read_manifest(path: Path) -> dict:
                 raise ValueError(k)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path.name}: manifest field missing or malformed ({exc})") from None
-    if not verify_signature(key, signature, _canonical(manifest)):
+    if not verify_signature(key, signature, canonical_bytes(manifest)):
         raise CheckpointError(f"{path.name}: manifest signature does not verify")
+    if node_id_of(key) != manifest.get("leader"):
+        raise CheckpointError(f"{path.name}: manifest names a leader its key does not belong to")
     if not isinstance(files, dict) or set(files) != {MODEL_FILE, STATE_FILE}:
         raise CheckpointError(f"{path.name}: manifest lists the wrong files")
     for name, entry in files.items():
@@ -178,10 +182,14 @@ def read_manifest(path: Path) -> dict:
 def _verify_file(path: Path, entry: dict) -> None:
     where = f"{path.parent.name}/{path.name}"
     try:
-        size, chunk, digests = int(entry["size"]), int(entry["chunk_size"]), list(entry["xxh3_64"])
-    except (KeyError, TypeError, ValueError):
+        size, chunk, digests = entry["size"], entry["chunk_size"], entry["xxh3_64"]
+    except (KeyError, TypeError):
         raise CheckpointError(f"{where}: malformed file entry in manifest") from None
-    if chunk <= 0 or len(digests) != max(1, -(-size // chunk)):
+    if (type(size) is not int or type(chunk) is not int or type(digests) is not list
+            or size < 0 or not 0 < chunk <= MAX_CHUNK_SIZE
+            or not all(type(d) is str for d in digests)):
+        raise CheckpointError(f"{where}: malformed file entry in manifest")
+    if len(digests) != max(1, -(-size // chunk)):
         raise CheckpointError(f"{where}: chunk list does not match the size")
     try:
         actual = path.stat().st_size

@@ -16,16 +16,25 @@ from p2ptrain.cli.main import resolve_config
 from p2ptrain.config import ConfigError, to_toml
 from p2ptrain.data import DataError
 from p2ptrain.identity import IdentityError
-from p2ptrain.report import Reporter
 from p2ptrain.solo import UserError
+from p2ptrain.swarm import SwarmError
 
 USER_ERRORS = (UserError, ConfigError, DataError, checkpoint.CheckpointError, IdentityError,
-               SafetensorsError)
+               SafetensorsError, SwarmError)
 
 
 def dispatch(args: argparse.Namespace) -> int:
+    from p2ptrain.cli import swarmcmds
+    from p2ptrain.cli.main import flags_of
+
     if args.command == "join":
-        return cmd_join(args)
+        return swarmcmds.cmd_join(args, flags_of(args))
+    if args.command == "init":
+        return swarmcmds.cmd_init(args, flags_of(args))
+    if args.command == "status":
+        return swarmcmds.cmd_status(args)
+    if args.command == "checkpoint":
+        return swarmcmds.cmd_fetch(args, flags_of(args))
     if args.command == "sample":
         return cmd_sample(args)
     if args.command == "hw":
@@ -35,13 +44,6 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "config":
         return cmd_config_show(args)
     raise UserError(f"unknown command {args.command}")
-
-
-def cmd_join(args) -> int:
-    from p2ptrain import solo
-
-    cfg = resolve_config(args)
-    return solo.run(cfg, Reporter(cfg["log.format"]))
 
 
 def cmd_config_show(args) -> int:

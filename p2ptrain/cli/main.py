@@ -37,11 +37,21 @@ def _add_option_flags(parser: argparse.ArgumentParser, keys: list[str]) -> None:
     for key in keys:
         o = OPTIONS[key]
         extra = f" (one of: {', '.join(o.choices)})" if o.choices else ""
-        parser.add_argument(o.flag, dest=f"opt:{key}", default=None, metavar=key.split(".")[-1]
-                            .upper(), help=f"{o.help}{extra} [env {o.env}; default "
-                            f"{o.default!r}]")
+        text = f"{o.help}{extra} [env {o.env}; default {o.default!r}]"
+        if o.kind is bool:
+            parser.add_argument(o.flag, dest=f"opt:{key}", default=None, action="store_const",
+                                const="true", help=text)
+        elif key == "net.peers":
+            parser.add_argument(o.flag, dest=f"opt:{key}", default=None, action="append",
+                                metavar="HOST:PORT", help=f"{text}; repeatable")
+        else:
+            parser.add_argument(o.flag, dest=f"opt:{key}", default=None,
+                                metavar=key.split(".")[-1].upper(), help=text)
 
 
+SWARM_KEYS = ["swarm.token", "swarm.token_file"]
+NET_KEYS = ["net.port", "net.bind", "net.advertise", "net.peers", "net.outbound_only",
+            "net.max_upload_mbps", "node.priority", "node.alone"]
 JOIN_KEYS = ["model.name", "data.path", "node.state_dir", "train.batch", "train.lr",
              "train.seed", "train.steps", "train.duration", "log.format"]
 
@@ -49,8 +59,9 @@ JOIN_KEYS = ["model.name", "data.path", "node.state_dir", "train.batch", "train.
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="p2ptrain",
-        description="Peer-to-peer training for fleets of mismatched machines. "
-        "Today a node trains alone; gossip between nodes is being built.",
+        description="Peer-to-peer training for fleets of mismatched machines: nodes find "
+        "each other by mDNS, gossip compressed gradients, average parameters, and elect a "
+        "leader that writes and serves checkpoints.",
         epilog="Configuration: flags override P2PTRAIN_* environment variables, which override "
         "the TOML file (--config or P2PTRAIN_CONFIG), which overrides the defaults. "
         "See `p2ptrain config show`.",
@@ -58,12 +69,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"p2ptrain {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    join = sub.add_parser("join", help="train (the main job)", description=(
-        "Train the model on this machine. With no arguments: the built-in RWKV model on the "
-        "built-in Tiny Shakespeare, batch size chosen from the hardware, checkpoints in "
-        "~/.p2ptrain/checkpoints, resuming from the newest valid one. Ctrl-C stops cleanly."))
+    join = sub.add_parser("join", help="join a swarm and train (the main job)", description=(
+        "Join a swarm and train the model with its members. With no arguments: the public "
+        "demo swarm on this LAN (found by mDNS), the built-in RWKV model on the built-in Tiny "
+        "Shakespeare, batch size chosen from the hardware, checkpoints in "
+        "~/.p2ptrain/checkpoints, resuming from the newest valid one. A real fleet: "
+        "`p2ptrain init` once, then `join --token TOKEN` on every machine. Ctrl-C stops "
+        "cleanly (a second Ctrl-C at once)."))
     join.add_argument("--config", help="TOML configuration file [env P2PTRAIN_CONFIG]")
-    _add_option_flags(join, JOIN_KEYS)
+    _add_option_flags(join, SWARM_KEYS + NET_KEYS + JOIN_KEYS)
+    join.add_argument("--no-mdns", dest="opt:net.mdns", action="store_const", const="false",
+                      default=None, help="do not use mDNS; find peers by --peer only "
+                      "[env P2PTRAIN_NET_MDNS=false]")
+
+    init = sub.add_parser("init", help="create a swarm: its configuration, key and join token",
+                          description="Write the swarm's configuration (swarm.toml, edit it "
+                          "before the first join) and a 256-bit key (swarm.key, mode 0600) "
+                          "into --out, and print the join token and join commands.")
+    init.add_argument("--name", default="p2ptrain", help="swarm name (letters, digits, - _)")
+    init.add_argument("--out", default=None, help="directory to write (default ./swarm-NAME)")
+    init.add_argument("--config", help="TOML file with the settings the swarm should start from")
+    _add_option_flags(init, ["model.name"])
+
+    status = sub.add_parser("status", help="show a node's view of the swarm", description=(
+        "Members (id, address, device class, state, step, loss, samples, bytes in/out, "
+        "RTT), the leader and term, and the swarm's sample count, as one node sees them."))
+    status.add_argument("--peer", default=None, help="the node to ask (default 127.0.0.1:7100)")
+    status.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+    ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    fetch = ckpt_sub.add_parser("fetch", help="download the leader's latest checkpoint",
+                                description="Find the swarm's leader (by mDNS, or through "
+                                "--peer), download its latest checkpoint, verify the leader's "
+                                "signature and every chunk, resume after an interruption, and "
+                                "write the checkpoint directory into --out atomically.")
+    fetch.add_argument("--peer", default=None, help="a node of the swarm, HOST:PORT")
+    fetch.add_argument("--config", help="the swarm's configuration file (instead of --token)")
+    fetch.add_argument("--out", default=".", help="directory to write the checkpoint into")
+    fetch.add_argument("--timeout", type=float, default=30.0,
+                       help="seconds to look for the leader")
+    _add_option_flags(fetch, SWARM_KEYS)
 
     sample = sub.add_parser("sample", help="generate text from a checkpoint", description=(
         "Print text generated by the model in a checkpoint directory (or a state directory: "
@@ -102,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def flags_of(args: argparse.Namespace) -> dict:
-    return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt:") and v is not None}
+    return {k[4:]: ",".join(v) if isinstance(v, list) else v
+            for k, v in vars(args).items() if k.startswith("opt:") and v is not None}
 
 
 def resolve_config(args: argparse.Namespace):

@@ -213,23 +213,40 @@ class GradientMixer:
 
     # -- arrival ----------------------------------------------------------------------------
 
-    def receive(self, msg: Any, swarm_samples: int) -> Arrival:
-        """Take one chunk message of a peer gradient; `swarm_samples` is the receiver's swarm
-        count now. CodecError (counted as malformed or norm) if the peer misbehaved: framing,
-        payload, non-finite values, wrong vector length, bad weight, a duplicate or
-        inconsistent chunk, or an absurd norm. A refused chunk leaves the queue as it was,
-        except that a vector whose last chunk makes its total norm absurd is dropped whole.
-        The mixer keeps a reference to `msg` until its vector is used or dropped."""
+    def admit(self, msg: Any) -> tuple[Message, float]:
+        """Every check `receive` makes, changing nothing but the drop counters (and dropping
+        a vector whose last chunk makes its total norm absurd, whole): the parsed
+        chunk and its squared norm, or CodecError (malformed or norm) if the peer misbehaved:
+        framing, payload, non-finite values, wrong vector length, bad weight, a duplicate or
+        inconsistent chunk, an absurd chunk norm, or a last chunk that makes its vector's
+        total norm absurd. Call it before anything else of the message is acted on."""
         try:
             message = msg if isinstance(msg, Message) else parse_message(msg)
-            key = (message.sender_id, message.swarm_samples)
-            entry = self._pending.get(key)
+            entry = self._pending.get((message.sender_id, message.swarm_samples))
             self._check_header(message, entry)
             sq = self._chunk_sq_norm(message)
         except CodecError:
             self.drops["malformed"] += 1
             raise
         self._check_norm(math.sqrt(sq) if math.isfinite(sq) else math.inf)
+        if entry is not None and len(entry.chunks) + 1 == entry.chunk_count:
+            try:
+                self._check_norm(math.sqrt(entry.sq_norm + sq))
+            except CodecError:  # the whole vector is absurd: its earlier chunks go too
+                self._remove((message.sender_id, message.swarm_samples))
+                raise
+        return message, sq
+
+    def receive(self, msg: Any, swarm_samples: int,
+                admitted: tuple[Message, float] | None = None) -> Arrival:
+        """Take one chunk message of a peer gradient; `swarm_samples` is the receiver's swarm
+        count now; `admitted` is `admit(msg)`'s result when the caller checked it already
+        (nothing may have changed the mixer since). CodecError as for `admit`; a refused
+        chunk leaves the queue as it was. The mixer keeps a reference to the message until
+        its vector is used or dropped."""
+        message, sq = admitted if admitted is not None else self.admit(msg)
+        key = (message.sender_id, message.swarm_samples)
+        entry = self._pending.get(key)
         size = int(message.payload.nbytes)
         if entry is None:
             entry = _Pending(message, swarm_samples, self._seq)

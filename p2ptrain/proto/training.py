@@ -107,10 +107,10 @@ class GossipTrainer:
 
     # -- inbound ------------------------------------------------------------------------------
 
-    def parse(self, sender: str, body: Body) -> Message | PeerSnapshot | None:
-        """Check a gossip body from `sender` completely, changing nothing; CodecError names
-        the first defect. Returns the parsed chunk (gradients), the peer snapshot (averaging)
-        or None (a reply that declines)."""
+    def parse(self, sender: str, body: Body) -> tuple[Message, float] | PeerSnapshot | None:
+        """Check a gossip body from `sender` completely, changing nothing (but drop counts);
+        CodecError names the first defect. Returns the admitted chunk and its squared norm
+        (gradients), the peer snapshot (averaging) or None (a reply that declines)."""
         raw_id = bytes.fromhex(sender)
         if isinstance(body, GradientPush | GradientReply):
             msg = parse_message(body.chunk)
@@ -122,7 +122,7 @@ class GossipTrainer:
                 raise CodecError(f"sample weight {msg.weight} out of range")
             if not math.isfinite(msg.sq_norm()):
                 raise CodecError("gradient chunk holds non-finite values")
-            return msg
+            return self.mixer.admit(msg)  # duplicates, norms: refused before any header use
         if isinstance(body, AverageReply) and not body.chunks:
             return None
         snap = read_snapshot(body.chunks)
@@ -145,7 +145,7 @@ class GossipTrainer:
         duplicate chunk); nothing changes then."""
         learner = self.learner
         if isinstance(body, GradientPush | GradientReply):
-            arrival = self.mixer.receive(parsed, learner.count.total)
+            arrival = self.mixer.receive(parsed[0], learner.count.total, admitted=parsed)
             self.peer_progress[sender] = (body.step, body.loss)
             self.stats[f"gradient_{arrival.value}"] += 1
             if isinstance(body, GradientPush) and outbound_sender:

@@ -112,3 +112,32 @@ def decode(data: bytes | bytearray | memoryview) -> Envelope:
     except (ValueError, TypeError, KeyError, IndexError, RecursionError, OverflowError) as exc:
         raise RemoteProtocolError(f"{cls.__name__}: {exc}") from None
     return Envelope(header, body)
+
+
+def split(data: bytes | bytearray | memoryview, max_frames: int = 1024) -> list[memoryview]:
+    """Cut a concatenation of frames (an HTTP response carrying replies) into frames, each
+    still to be `decode`d; RemoteProtocolError if the lengths do not add up exactly."""
+    view = memoryview(data).cast("B")
+    frames: list[memoryview] = []
+    offset = 0
+    while offset < len(view):
+        if len(frames) >= max_frames:
+            raise RemoteProtocolError(f"more than {max_frames} frames in one body")
+        if len(view) - offset < FRAME_SIZE:
+            raise RemoteProtocolError("truncated frame header")
+        magic, _, _, _, n_json, n_blob = _FRAME.unpack_from(view, offset)
+        if magic != MAGIC or n_json > MAX_JSON or n_blob > MAX_BLOB:
+            raise RemoteProtocolError("bad frame header")
+        end = offset + FRAME_SIZE + n_json + n_blob
+        if end > len(view):
+            raise RemoteProtocolError("truncated frame")
+        frames.append(view[offset:end])
+        offset = end
+    return frames
+
+
+def peek_type(data: bytes | bytearray | memoryview) -> type | None:
+    """The body class a frame declares, read from its fixed header only (None if unknown)."""
+    if len(data) < FRAME_SIZE or bytes(data[:4]) != MAGIC:
+        return None
+    return BODY_TYPES.get(data[5])

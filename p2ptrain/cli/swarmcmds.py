@@ -1,0 +1,290 @@
+"""The networked subcommands: `init`, `join` (the runtime), `status`, `checkpoint fetch`.
+
+Which swarm: `--token` (or `--token-file`, e.g. a Docker secret), else the configuration
+file's `[swarm]` (name + key file, as `init` writes it), else the public demo swarm. A node
+given only a token first fetches the swarm's configuration from a peer (`GET /v1/config`,
+authenticated) and adopts it. Tools that only look (`status`, `checkpoint fetch`) sign their
+requests with a throw-away identity, so they never collide with a node's replay window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from p2ptrain.config import OPTIONS, SWARM_KEY_PREFIXES, Config, config_file_from, resolve
+from p2ptrain.report import Reporter, human_count
+from p2ptrain.solo import UserError
+from p2ptrain.swarm import (
+    Swarm,
+    SwarmError,
+    demo_swarm,
+    new_swarm,
+    parse_token,
+    read_key_file,
+    write_init_files,
+)
+
+FIND_TIMEOUT = 30.0  # s to find a peer (config, leader) before giving up
+
+
+def swarm_of(cfg: Config, config_file: str | None) -> Swarm:
+    """The swarm the configuration names (token, key file, or the demo swarm)."""
+    token = cfg["swarm.token"]
+    if not token and cfg["swarm.token_file"]:
+        path = Path(cfg["swarm.token_file"]).expanduser()
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise SwarmError(f"token file {path}: {exc.strerror or exc}") from None
+    if token:
+        return parse_token(token)
+    if cfg["swarm.key_file"]:
+        key_path = Path(cfg["swarm.key_file"]).expanduser()
+        if not key_path.is_absolute() and config_file:
+            key_path = Path(config_file).expanduser().parent / key_path
+        return read_key_file(key_path, cfg["swarm.name"] or "swarm")
+    return demo_swarm()
+
+
+def throwaway_signer(swarm: Swarm):
+    from p2ptrain.net.auth import Signer, derive_mac_key
+
+    return Signer(derive_mac_key(swarm.key), secrets.token_hex(16), 0)
+
+
+async def _candidates(swarm: Swarm, peers: list[str], timeout: float):
+    """Addresses to ask, as they become known: the given peers first, then mDNS finds."""
+    from p2ptrain.net.discovery import Discovery, resolve_seeds
+
+    resolved, failed = await resolve_seeds(peers, 7100)
+    for problem in failed:
+        print(f"p2ptrain: warning: peer {problem}", file=sys.stderr)
+    for addr in resolved:
+        yield addr
+    if peers:
+        return
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    discovery = Discovery(swarm_id=swarm.swarm_id, node_id=secrets.token_hex(16), port=1,
+                          addresses=None, device_class="tool", advertise=False,
+                          on_found=lambda addr, _node: queue.put_nowait(addr))
+    try:
+        await discovery.start()
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                yield await asyncio.wait_for(queue.get(), left)
+            except TimeoutError:
+                return
+    finally:
+        await discovery.close()
+
+
+async def fetch_swarm_config(swarm: Swarm, peers: list[str], timeout: float = FIND_TIMEOUT
+                             ) -> tuple[dict[str, Any], str]:
+    """The swarm-wide options from the first peer that answers `GET /v1/config`."""
+    from p2ptrain.net.server import read_limited
+
+    signer = throwaway_signer(swarm)
+    problems = []
+    async with aiohttp.ClientSession() as session:
+        async for addr in _candidates(swarm, peers, timeout):
+            rid, headers = signer.sign_request("GET", "/v1/config")
+            try:
+                async with session.get(f"http://{addr}/v1/config", headers=headers,
+                                       timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    body = await read_limited(resp.content, 1 << 20)
+                    if body is None:
+                        raise ValueError("configuration too large")
+                    signer.check_response("GET", "/v1/config", rid, resp.status,
+                                          resp.headers, body)
+                    if resp.status != 200:
+                        raise ValueError(f"HTTP {resp.status}")
+                    doc = json.loads(body)
+                    options = doc["options"]
+                    if not isinstance(options, dict):
+                        raise ValueError("options is not a table")
+                    return options, addr
+            except Exception as exc:  # try the next peer; report all at the end
+                problems.append(f"{addr}: {exc}")
+    detail = "; ".join(problems) if problems else "no peer of this swarm found"
+    raise UserError(f"cannot fetch the swarm's configuration ({detail}); give a peer with "
+                    f"--peer HOST:PORT or check the token")
+
+
+def cmd_join(args, flags: dict) -> int:
+    from p2ptrain import solo
+    from p2ptrain.net.runtime import Runtime
+
+    config_file = config_file_from(getattr(args, "config", None))
+    cfg = resolve(config_file, os.environ, flags)
+    reporter = Reporter(cfg["log.format"])
+    if cfg["node.alone"]:
+        return solo.run(cfg, reporter)
+    swarm = swarm_of(cfg, config_file)
+    explicit_token = cfg["swarm.token"] or cfg["swarm.token_file"]
+    if explicit_token and not config_file:
+        peers = [p for p in cfg["net.peers"].split(",") if p.strip()]
+        reporter.info(f"fetching the configuration of swarm {swarm.name!r} from a peer ...",
+                      event="config_fetch")
+        options, addr = asyncio.run(fetch_swarm_config(swarm, peers))
+        cfg = resolve(None, os.environ, flags, adopted=options, adopted_from=addr)
+        reporter.info(f"adopted the swarm's configuration from {addr}", event="config_adopted",
+                      peer=addr)
+    return asyncio.run(Runtime(cfg, reporter, swarm).run())
+
+
+def _swarm_toml(cfg: Config, name: str) -> str:
+    lines = ["# p2ptrain swarm configuration, written by `p2ptrain init`.",
+             "# Every member must agree on these; data, batch and ports may differ per node.",
+             "", "[swarm]", f'name = "{name}"', 'key_file = "swarm.key"  # secret: mode 0600']
+    section = "swarm"
+    for key in OPTIONS:
+        if not key.startswith(SWARM_KEY_PREFIXES) or key.startswith("swarm."):
+            continue
+        sec, _, field = key.rpartition(".")
+        if sec != section:
+            lines += ["", f"[{sec}]"]
+            section = sec
+        value = cfg[key]
+        text = (("true" if value else "false") if isinstance(value, bool)
+                else json.dumps(value) if isinstance(value, str) else repr(value))
+        lines.append(f"{field} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_init(args, flags: dict) -> int:
+    cfg = resolve(config_file_from(getattr(args, "config", None)), os.environ, flags)
+    swarm = new_swarm(args.name)
+    out = Path(args.out or f"swarm-{swarm.name}").expanduser()
+    key_path, config_path = write_init_files(swarm, out, _swarm_toml(cfg, swarm.name))
+    print(f"swarm {swarm.name!r} (id {swarm.swarm_id}) written to {out}/")
+    print(f"  {config_path}   the swarm's configuration (edit before the first join)")
+    print(f"  {key_path}    the swarm key (secret, mode 0600)")
+    print("\njoin token (secret: anyone holding it can join and read the model):\n")
+    print(f"  {swarm.token()}\n")
+    print("on each machine, either of:")
+    print(f"  p2ptrain join --token {swarm.token()}")
+    print(f"  p2ptrain join --config {config_path}")
+    return 0
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str) -> dict:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        if resp.status != 200:
+            raise UserError(f"{url}: HTTP {resp.status}")
+        doc = await resp.json(content_type=None)
+        if not isinstance(doc, dict):
+            raise UserError(f"{url}: not a status document")
+        return doc
+
+
+def cmd_status(args) -> int:
+    from p2ptrain.net.discovery import format_peer, parse_peer
+
+    try:
+        host, port = parse_peer(args.peer or "127.0.0.1:7100")
+    except ValueError as exc:
+        raise UserError(f"--peer: {exc}") from None
+
+    async def get() -> dict:
+        async with aiohttp.ClientSession() as session:
+            return await _get_json(session, f"http://{format_peer(host, port)}/v1/status")
+
+    try:
+        doc = asyncio.run(get())
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        raise UserError(f"no node answers at {host}:{port} ({exc or type(exc).__name__}); "
+                        f"is `p2ptrain join` running there?") from None
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    leader = doc.get("leader")
+    print(f"swarm {doc.get('swarm')!r} | node {doc['node_id'][:12]} ({doc.get('phase')}) | "
+          f"leader {leader[:12] if leader else 'none'} (term {doc.get('term')}) | swarm "
+          f"samples {doc.get('swarm_samples', 0):,}")
+    head = ("node", "address", "class", "state", "step", "loss", "samples", "in", "out", "rtt")
+    rows = [(doc["node_id"][:12] + "*", doc.get("addr") or "-", "-", doc.get("phase"),
+             doc.get("step"), doc.get("loss"), doc.get("samples"), doc.get("bytes_in"),
+             doc.get("bytes_out"), None)]
+    for m in doc.get("members", []):
+        mark = " L" if m.get("node_id") == leader else ""
+        rows.append((m["node_id"][:12] + mark, m.get("addr"), m.get("device_class"),
+                     m.get("state"), m.get("step"), m.get("loss"), m.get("samples"),
+                     m.get("bytes_in"), m.get("bytes_out"), m.get("rtt_ms")))
+
+    def fmt(v: Any, col: int) -> str:
+        if v is None:
+            return "-"
+        if col == 5 and isinstance(v, float):
+            return f"{v:.3f}"
+        if col == 9:
+            return f"{v:.1f}ms"
+        if col in (6, 7, 8) and isinstance(v, int | float):
+            return human_count(v)
+        return str(v)
+
+    table = [head] + [tuple(fmt(v, i) for i, v in enumerate(r)) for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    for r in table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print("(* this node, L the leader)")
+    return 0
+
+
+def cmd_fetch(args, flags: dict) -> int:
+    from p2ptrain.net.fetch import FetchError, fetch_latest
+
+    config_file = config_file_from(getattr(args, "config", None))
+    cfg = resolve(config_file, os.environ, flags)
+    swarm = swarm_of(cfg, config_file)
+    peers = [args.peer] if args.peer else [p for p in cfg["net.peers"].split(",") if p.strip()]
+    out = Path(args.out).expanduser()
+    signer = throwaway_signer(swarm)
+
+    def bar(done: int, total: int) -> None:
+        width = 30
+        filled = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
+                         f"{human_count(done)}B / {human_count(total)}B")
+        sys.stderr.flush()
+
+    async def run() -> Path:
+        async with aiohttp.ClientSession() as session:
+            async for addr in _candidates(swarm, peers, args.timeout):
+                try:
+                    doc = await _get_json(session, f"http://{addr}/v1/status")
+                except (UserError, aiohttp.ClientError, OSError, TimeoutError):
+                    continue
+                leader = doc.get("leader")
+                if not leader:
+                    continue
+                where = addr if doc.get("node_id") == leader else next(
+                    (m.get("addr") for m in doc.get("members", [])
+                     if m.get("node_id") == leader), None)
+                if where is None:
+                    continue
+                print(f"leader {leader[:12]} at {where}; fetching its latest checkpoint",
+                      file=sys.stderr)
+                try:
+                    return await fetch_latest(session, f"http://{where}", signer, out,
+                                              expected_leader=leader, progress=bar)
+                finally:
+                    sys.stderr.write("\n")
+        raise UserError(f"no leader of swarm {swarm.name!r} found within {args.timeout:g}s"
+                        + ("" if peers else " by mDNS; give --peer HOST:PORT"))
+
+    try:
+        path = asyncio.run(run())
+    except FetchError as exc:
+        raise UserError(f"checkpoint fetch failed: {exc}") from None
+    print(path)
+    return 0

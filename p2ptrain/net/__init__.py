@@ -1,0 +1,1 @@
+"""Drivers around the sans-IO core: the asyncio runtime, HTTP, discovery."""

@@ -1,0 +1,114 @@
+"""Outgoing protocol messages: each `Send` action becomes one authenticated POST on the
+node's single client session; the frames in the response come back as received messages.
+
+Fire and forget: a send never blocks the caller. Gradient and averaging bodies are dropped
+(and counted) when too many are already in flight to that peer -- back-pressure instead of a
+growing queue; control messages always go. Bodies stream in slices through the upload token
+bucket. A failed request (refused connection, timeout, non-2xx, a response whose MAC does not
+verify) is counted per address and otherwise ignored: the protocol's own probes and timeouts
+decide what a silent peer means. A driver: it does I/O and never decides anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from p2ptrain.net.auth import AuthError, Signer
+from p2ptrain.net.pacing import TokenBucket, paced
+from p2ptrain.net.server import MAX_REPLY, read_limited, route_of
+from p2ptrain.proto import wire
+from p2ptrain.proto.errors import RemoteProtocolError
+from p2ptrain.proto.events import Send
+
+if TYPE_CHECKING:
+    from p2ptrain.report import Reporter
+
+BULK_ROUTES = ("/v1/gossip", "/v1/average")
+DROPPABLE = "/v1/gossip"  # gradient pushes: fire and forget, dropped when the peer lags
+MAX_BULK_IN_FLIGHT = 2  # bulk requests to one peer at once; more are dropped
+CONTROL_TIMEOUT = 10.0  # s for a control message round trip
+BULK_TIMEOUT = 300.0  # s for a gradient or averaging exchange (slow uplinks)
+
+
+class Outbox:
+    """Posts messages for one node; `on_frames(addr, frames)` receives response frames."""
+
+    def __init__(self, session: aiohttp.ClientSession, signer: Signer, bucket: TokenBucket,
+                 on_frames: Callable[[str, list[bytes]], None], reporter: Reporter):
+        self.session, self.signer, self.bucket = session, signer, bucket
+        self.on_frames, self.reporter = on_frames, reporter
+        self.in_flight: Counter[str] = Counter()  # bulk requests per address
+        self.failures: Counter[str] = Counter()  # failed requests per address
+        self.stats: Counter[str] = Counter()
+        self.tasks: set[asyncio.Task] = set()
+        self.last_error: dict[str, str] = {}
+
+    def send(self, action: Send) -> None:
+        """Start posting `action.envelope` to `action.addr` (returns at once)."""
+        route = route_of(action.envelope.body)
+        bulk = route in BULK_ROUTES
+        if route == DROPPABLE and self.in_flight[action.addr] >= MAX_BULK_IN_FLIGHT:
+            self.stats["gradients_dropped_busy_peer"] += 1  # the averaging exchange never is
+            return
+        data = wire.encode(action.envelope)
+        if bulk:
+            self.in_flight[action.addr] += 1
+        task = asyncio.get_running_loop().create_task(self._post(action.addr, route, data, bulk))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _post(self, addr: str, route: str, data: bytes, bulk: bool) -> None:
+        rid, headers = self.signer.sign_request("POST", route, data)
+        headers["Content-Type"] = "application/octet-stream"
+        headers["Content-Length"] = str(len(data))
+        timeout = aiohttp.ClientTimeout(total=BULK_TIMEOUT if bulk else CONTROL_TIMEOUT)
+        try:
+            async with self.session.post(f"http://{addr}{route}", data=paced(data, self.bucket),
+                                         headers=headers, timeout=timeout) as resp:
+                body = await read_limited(resp.content, MAX_REPLY)
+                if body is None:
+                    raise RemoteProtocolError("response body too large")
+                self.signer.check_response("POST", route, rid, resp.status, resp.headers, body)
+                if resp.status not in (200, 409):
+                    raise RemoteProtocolError(f"HTTP {resp.status}: {body[:200]!r}")
+                frames = [bytes(f) for f in wire.split(body)]
+            self.stats["sent"] += 1
+            self.failures.pop(addr, None)
+            self.last_error.pop(addr, None)
+            if frames:
+                self.on_frames(addr, frames)
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, TimeoutError, OSError, AuthError,
+                RemoteProtocolError) as exc:
+            self._failed(addr, route, exc)
+        finally:
+            if bulk:
+                self.in_flight[addr] -= 1
+                if self.in_flight[addr] <= 0:
+                    del self.in_flight[addr]
+
+    def _failed(self, addr: str, route: str, exc: BaseException) -> None:
+        self.failures[addr] += 1
+        self.stats["failed"] += 1
+        reason = str(exc) or type(exc).__name__
+        if self.last_error.get(addr) != reason:  # say each new kind of failure once
+            self.last_error[addr] = reason
+            self.reporter.warn(f"request to {addr}{route} failed: {reason}", event="send_failed",
+                               addr=addr, route=route, reason=reason)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait up to `timeout` s for the messages in flight (e.g. leave announcements)."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout)
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -1,0 +1,186 @@
+"""The node's HTTP API (aiohttp): protocol messages in, replies out, and the read-only routes.
+
+    GET  /v1/health    open: 200 while the process and its protocol loop run
+    GET  /v1/status    open: the node's status document (JSON)
+    GET  /metrics      open: Prometheus text
+    GET  /             open: a dashboard page that polls /v1/status
+    GET  /v1/config    MAC: the swarm-wide configuration (for a node joining with a token)
+    POST /v1/control   MAC: probes, acks, leases, claims, leave (small control messages)
+    POST /v1/members   MAC: full member-list exchange
+    POST /v1/gossip    MAC: one gradient chunk message
+    POST /v1/average   MAC: push-pull averaging; the response carries the peer's snapshot
+    GET  /v1/checkpoint[/{id}/{file}]  MAC: see ckptserve.py
+
+A message POST is checked in this order, and processed only if all pass: declared size
+against the route's limit (413, nothing read), body read up to the limit (413), MAC and
+replay (401), frame type allowed on this route (400), strict decode (400), the message's
+sender equals the authenticated sender (400). The runtime then handles it; replies addressed
+to the sender travel in the response (the only way to reach an outbound-only peer), as a
+concatenation of frames with a response MAC; a message the protocol refused gets 400 (or 409
+for a configuration mismatch) with the reason. Open routes take no input and never reveal
+the key or weights; `net.open_routes = false` puts them behind the MAC too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from p2ptrain.net import ckptserve, dashboard
+from p2ptrain.net.auth import AuthError
+from p2ptrain.net.pacing import paced
+from p2ptrain.proto import messages as m
+from p2ptrain.proto import wire
+from p2ptrain.proto.errors import RemoteProtocolError
+from p2ptrain.proto.gossipmsg import AverageReply, AverageRequest, GradientPush, GradientReply
+
+if TYPE_CHECKING:
+    from p2ptrain.net.runtime import Runtime
+
+MiB = 1 << 20
+# route -> (body types it carries, largest body accepted)
+ROUTES: dict[str, tuple[tuple[type, ...], int]] = {
+    "/v1/control": ((m.Ping, m.Ack, m.PingReq, m.Notify, m.Refuse, m.Leave, m.Claim,
+                     m.Heartbeat, m.Resign, m.Yield), 1 * MiB),
+    "/v1/members": ((m.SyncRequest, m.SyncReply), wire.MAX_JSON + 64 * 1024),
+    "/v1/gossip": ((GradientPush, GradientReply), 32 * MiB),
+    "/v1/average": ((AverageRequest, AverageReply), wire.MAX_JSON + wire.MAX_BLOB),
+}
+_ROUTE_OF = {cls: route for route, (classes, _) in ROUTES.items() for cls in classes}
+MAX_REPLY = wire.MAX_JSON + wire.MAX_BLOB + 64 * 1024  # a response body, at most
+RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime")
+
+
+def route_of(body: m.Body) -> str:
+    """The route a message body is posted to."""
+    return _ROUTE_OF[type(body)]
+
+
+def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": reason}, status=status, headers=headers)
+
+
+async def read_limited(content, limit: int) -> bytes | None:
+    """The whole body, or None once it exceeds `limit` bytes (reading stops there)."""
+    parts, total = [], 0
+    async for piece in content.iter_chunked(MiB):
+        total += len(piece)
+        if total > limit:
+            return None
+        parts.append(piece)
+    return b"".join(parts)
+
+
+async def _message(request: web.Request) -> web.StreamResponse:
+    rt = request.app[RUNTIME]
+    path = request.path
+    classes, limit = ROUTES[path]
+    if request.content_length is not None and request.content_length > limit:
+        return _error(413, f"body of {request.content_length} bytes exceeds {limit} on {path}")
+    body = await read_limited(request.content, limit)
+    if body is None:
+        return _error(413, f"body exceeds {limit} bytes on {path}")
+    try:
+        rid = rt.auth.verify(request.method, path, request.headers, body)
+    except AuthError as exc:
+        rt.count("refused_auth")
+        return _error(401, exc.reason)
+
+    def signed(status: int, payload: bytes) -> dict[str, str]:
+        return rt.auth.sign(request.method, path, rid, status, payload)
+
+    def refuse(status: int, reason: str) -> web.Response:
+        payload = json.dumps({"error": reason}).encode()
+        rt.count("refused_bad_input")
+        return web.Response(status=status, body=payload, content_type="application/json",
+                            headers=signed(status, payload))
+
+    if wire.peek_type(body) not in classes:
+        return refuse(400, f"{path} does not carry this message type")
+    try:
+        envelope = wire.decode(body)
+    except RemoteProtocolError as exc:
+        return refuse(400, str(exc))
+    if envelope.header.sender != rid.sender:
+        return refuse(400, "message sender differs from the authenticated sender")
+    remote = f"{request.remote}"
+    status, replies, reason = rt.deliver(envelope, remote, rid.sender, len(body))
+    if status >= 400 and not replies:
+        return refuse(status, reason)
+    payload = b"".join(replies)
+    headers = signed(status, payload)
+    if len(payload) <= MiB:
+        return web.Response(status=status, body=payload, headers=headers,
+                            content_type="application/octet-stream")
+    response = web.StreamResponse(status=status, headers=headers)
+    response.content_type = "application/octet-stream"
+    response.content_length = len(payload)
+    await response.prepare(request)
+    async for piece in paced(payload, rt.bucket):
+        await response.write(piece)
+    await response.write_eof()
+    return response
+
+
+async def _config(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    try:
+        rid = rt.auth.verify(request.method, request.path, request.headers, b"")
+    except AuthError as exc:
+        rt.count("refused_auth")
+        return _error(401, exc.reason)
+    payload = json.dumps({"swarm": rt.swarm.name, "options": rt.swarm_options()}).encode()
+    return web.Response(body=payload, content_type="application/json",
+                        headers=rt.auth.sign(request.method, request.path, rid, 200, payload))
+
+
+def _open(handler):
+    """An open read-only route, unless the configuration closes them (then MAC)."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        rt = request.app[RUNTIME]
+        if not rt.open_routes:
+            try:
+                rt.auth.verify(request.method, request.path, request.headers, b"")
+            except AuthError as exc:
+                rt.count("refused_auth")
+                return _error(401, exc.reason)
+        return await handler(request)
+
+    return wrapped
+
+
+async def _health(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    return web.json_response({"ok": True, "phase": rt.phase, "node_id": rt.node_id})
+
+
+async def _status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[RUNTIME].status())
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    text = dashboard.metrics(request.app[RUNTIME].status())
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def _index(request: web.Request) -> web.Response:
+    return web.Response(text=dashboard.PAGE, content_type="text/html", charset="utf-8")
+
+
+def build_app(rt: Runtime) -> web.Application:
+    """The application of one node (the runtime owns its lifecycle)."""
+    app = web.Application(client_max_size=MAX_REPLY)
+    app[RUNTIME] = rt
+    for route in ROUTES:
+        app.router.add_post(route, _message)
+    app.router.add_get("/v1/config", _config)
+    app.router.add_get("/v1/health", _health)  # always open: Docker's HEALTHCHECK
+    app.router.add_get("/v1/status", _open(_status))
+    app.router.add_get("/metrics", _open(_metrics))
+    app.router.add_get("/", _open(_index))
+    ckptserve.add_checkpoint_routes(app, lambda: rt.ckroot, rt.auth, rt.node_id,
+                                    on_refused=lambda: rt.count("refused_auth"))
+    return app

@@ -1,0 +1,378 @@
+"""Checkpoint serving and fetching over real aiohttp servers on 127.0.0.1 (port 0).
+
+Checkpoints are small (64 KiB chunks: a 4-chunk model file and a 2-chunk state file), so every
+test runs in well under a second. Request counts come from a middleware, never from timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+from safetensors.numpy import load_file
+from yarl import URL
+
+from p2ptrain.checkpoint import store
+from p2ptrain.identity import Identity, load_or_create
+from p2ptrain.net import ckptserve
+from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
+from p2ptrain.net.ckptserve import RangeError, add_checkpoint_routes, latest_own, parse_range
+from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, check_answer, fetch_latest
+
+CHUNK = 64 * 1024
+KEY = derive_mac_key(bytes(range(32)))
+OTHER_KEY = derive_mac_key(bytes(range(1, 33)))
+CLIENT_ID = "c" * 32
+INCARNATIONS = itertools.count(1)
+ARABIC_ZERO = "\u0660"  # a Unicode digit: `\d` matches it, a checkpoint name must not
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(store, "CHUNK_SIZE", CHUNK)
+
+
+@dataclass
+class Leader:
+    ident: Identity
+    ckroot: Path
+    ckid: str  # the checkpoint it serves
+    tensors: dict[str, np.ndarray]
+    auth: ServerAuth
+    counts: dict[str, int] = field(default_factory=lambda: {"manifest": 0, "chunks": 0})
+    cut_after: int | None = None  # drop the connection of every chunk request after this many
+
+
+def save_checkpoint(ckroot: Path, ident: Identity, seed: int = 0, step: int = 7) -> Path:
+    rng = np.random.default_rng(seed)
+    model = [("w", rng.normal(size=(300, 200)).astype(np.float32)),
+             ("b", rng.normal(size=(200,)).astype(np.float32))]
+    snap = store.Snapshot(step=step, term=2, swarm_count={ident.node_id: 40}, fingerprint="fp",
+                          arch={"model": "test"}, model_tensors=model,
+                          state_tensors=[("adam.m", rng.normal(size=(100, 200)).astype(
+                              np.float32))], state_meta={"step": step})
+    return store.save(ckroot, snap, ident, keep=3)
+
+
+@pytest.fixture
+def leader(tmp_path) -> Leader:
+    ident = load_or_create(tmp_path / "leader")
+    ckroot = tmp_path / "leader" / "checkpoints"
+    path = save_checkpoint(ckroot, ident)
+    files = store.read_manifest(path)["files"]
+    assert len(files[store.MODEL_FILE]["xxh3_64"]) == 4
+    assert len(files[store.STATE_FILE]["xxh3_64"]) == 2
+    return Leader(ident, ckroot, path.name, load_file(str(path / store.MODEL_FILE)),
+                  ServerAuth(KEY, ident.node_id))
+
+
+def make_app(lead: Leader) -> web.Application:
+    @web.middleware
+    async def count(request: web.Request, handler):
+        if request.path == "/v1/checkpoint":
+            lead.counts["manifest"] += 1
+        elif request.path.endswith("safetensors"):
+            lead.counts["chunks"] += 1
+            if lead.cut_after is not None and lead.counts["chunks"] > lead.cut_after:
+                request.transport.close()  # the leader vanishes mid-fetch
+        return await handler(request)
+
+    app = web.Application(middlewares=[count])
+    add_checkpoint_routes(app, lambda: lead.ckroot, lead.auth, lead.ident.node_id)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def fetch(lead: Leader, out: Path, *, key: bytes = KEY, expected: str | None = "leader",
+          app: web.Application | None = None, **kw) -> Path:
+    """Serve `lead` (or `app`) and fetch from it once, in a fresh event loop."""
+    async def run() -> Path:
+        async with serving(app or make_app(lead)) as base, aiohttp.ClientSession() as session:
+            who = lead.ident.node_id if expected == "leader" else expected
+            signer = Signer(key, CLIENT_ID, next(INCARNATIONS))  # as if the client restarted
+            return await fetch_latest(session, base, signer, out,
+                                      expected_leader=who, **kw)
+    return asyncio.run(run())
+
+
+async def raw_get(session, base: str, path: str, signer: Signer | None,
+                  headers: dict | None = None, data: bytes | None = None):
+    """One request with hand-made headers; (status, headers, body, request id)."""
+    url = URL(base + path, encoded=True)
+    rid, auth_headers = signer.sign_request("GET", url.path) if signer else (None, {})
+    async with session.get(url, headers={**auth_headers, **(headers or {})}, data=data) as r:
+        return r.status, r.headers, await r.read(), rid
+
+
+def test_fetch_returns_a_checkpoint_equal_to_the_leaders(leader, tmp_path):
+    seen = []
+    out = fetch(leader, tmp_path / "out", progress=lambda done, total: seen.append((done, total)))
+    assert out == tmp_path / "out" / leader.ckid
+    got = load_file(str(out / store.MODEL_FILE))
+    assert got.keys() == leader.tensors.keys()
+    for name, tensor in leader.tensors.items():
+        np.testing.assert_array_equal(got[name], tensor)
+    assert store.read_manifest(out) == store.read_manifest(leader.ckroot / leader.ckid)
+    assert (out / store.STATE_FILE).read_bytes() == (
+        leader.ckroot / leader.ckid / store.STATE_FILE).read_bytes()
+    total = seen[-1][1]
+    assert len(seen) == 6 and seen[-1] == (total, total)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [leader.ckid]
+    assert sorted(p.name for p in out.iterdir()) == sorted(ckptserve.SERVED_FILES)
+    # fetching again finds it in place: the manifest is asked for, no chunk is
+    assert fetch(leader, tmp_path / "out") == out and leader.counts == {"manifest": 2,
+                                                                         "chunks": 6}
+
+
+def test_a_wrong_swarm_key_is_refused_with_401(leader, tmp_path):
+    with pytest.raises(FetchError, match="refused our authentication.*401"):
+        fetch(leader, tmp_path / "out", key=OTHER_KEY)
+    assert leader.counts["chunks"] == 0 and not (tmp_path / "out").exists()
+
+
+def test_requests_without_mac_or_replayed_get_401_and_a_body_gets_400(leader):
+    async def run():
+        async with serving(make_app(leader)) as base, aiohttp.ClientSession() as session:
+            file = f"/v1/checkpoint/{leader.ckid}/{store.MODEL_FILE}"
+            for path in ("/v1/checkpoint", file):
+                status, _, body, _ = await raw_get(session, base, path, None)
+                assert status == 401 and json.loads(body) == {"error": "request carries no MAC"}
+            signer = Signer(KEY, CLIENT_ID, 1)
+            url = URL(base + "/v1/checkpoint")
+            rid, headers = signer.sign_request("GET", url.path)
+            for want in (200, 401):  # the same headers twice: the second is a replay
+                async with session.get(url, headers=headers) as r:
+                    assert r.status == want
+                    body = await r.read()
+            assert "replay" in json.loads(body)["error"]
+            status, headers, body, rid = await raw_get(session, base, file, signer, data=b"x")
+            assert status == 400
+            signer.check_response("GET", file, rid, 400, headers, body)
+    asyncio.run(run())
+
+
+def test_a_chunk_rotted_on_the_leaders_disk_is_refused_and_nothing_lands(leader, tmp_path):
+    assert latest_own(leader.ckroot, leader.ident.node_id)[0] == leader.ckid  # cache primed
+    with open(leader.ckroot / leader.ckid / store.MODEL_FILE, "r+b") as f:
+        f.seek(2 * CHUNK + 100)
+        byte = f.read(1)
+        f.seek(2 * CHUNK + 100)
+        f.write(bytes([byte[0] ^ 0x01]))
+    rotted = r"model.safetensors chunk 2: bytes do not match .*\(3 attempts\)"
+    with pytest.raises(FetchError, match=rotted):
+        fetch(leader, tmp_path / "out", chunk_retries=2)
+    assert not (tmp_path / "out" / leader.ckid).exists()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [PARTIAL_PREFIX + leader.ckid]
+
+
+def test_a_response_with_a_bad_mac_is_refused(leader, tmp_path):
+    class Forger(ServerAuth):  # accepts our requests, signs answers with another key
+        def sign(self, method, path, rid, status, body):
+            return ServerAuth(OTHER_KEY, self.node_id).sign(method, path, rid, status, body)
+
+    leader.auth = Forger(KEY, leader.ident.node_id)
+    with pytest.raises(FetchError, match="response MAC does not verify"):
+        fetch(leader, tmp_path / "out")
+
+
+def test_a_checkpoint_signed_by_someone_else_than_the_leader_is_refused(leader, tmp_path):
+    with pytest.raises(FetchError, match=f"signed by {leader.ident.node_id}, not the leader "
+                                         f"{'ab' * 16}"):
+        fetch(leader, tmp_path / "out", expected="ab" * 16)
+    assert leader.counts["chunks"] == 0
+
+
+def forged_app(lead: Leader, body: bytes) -> web.Application:
+    """A server answering GET /v1/checkpoint with `body`, correctly MACed."""
+    async def answer(request: web.Request) -> web.Response:
+        rid = lead.auth.verify(request.method, request.path, request.headers, b"")
+        return web.Response(body=body, headers=lead.auth.sign("GET", request.path, rid, 200,
+                                                               body))
+    app = web.Application()
+    app.router.add_get("/v1/checkpoint", answer)
+    return app
+
+
+def test_a_manifest_naming_a_leader_whose_key_did_not_sign_it_is_refused(leader, tmp_path):
+    manifest = store.read_manifest(leader.ckroot / leader.ckid)
+    manifest["leader"] = "ab" * 16  # claims another leader, signed by our key
+    manifest["signature"] = leader.ident.sign(store.canonical_bytes(manifest)).hex()
+    body = json.dumps({"id": leader.ckid, "manifest": manifest}).encode()
+    with pytest.raises(FetchError, match="signed by another key"):
+        fetch(leader, tmp_path / "out", expected=None, app=forged_app(leader, body))
+
+
+@pytest.mark.parametrize("body,reason", [
+    (b"not json", "not JSON"), (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
+    (b'{"id": 1}', "not an {id, manifest} object"), (b"[]", "not an {id, manifest}"),
+    (b" " * (9 * 2**20), "too long"),
+])
+def test_a_hostile_checkpoint_answer_is_refused(leader, tmp_path, body, reason):
+    with pytest.raises(FetchError, match=reason):
+        fetch(leader, tmp_path / "out", app=forged_app(leader, body))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_rewritten_under_the_same_id_replaces_the_fetched_one(leader, tmp_path):
+    first = fetch(leader, tmp_path / "out")
+    save_checkpoint(leader.ckroot, leader.ident, seed=1)  # same (term, step), new weights
+    again = fetch(leader, tmp_path / "out")
+    assert again == first and leader.counts["chunks"] == 12
+    want = load_file(str(leader.ckroot / leader.ckid / store.MODEL_FILE))["w"]
+    np.testing.assert_array_equal(load_file(str(again / store.MODEL_FILE))["w"], want)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [leader.ckid]
+
+
+@pytest.mark.parametrize("damage,reason", [
+    (lambda m: m.update(step=True), "not a count"),
+    (lambda m: m.update(step=8), "does not name the manifest's term and step"),
+    (lambda m: m.update(extra=1), "unexpected"),
+    (lambda m: m.pop("arch"), "missing"),
+    (lambda m: m["files"][store.MODEL_FILE]["xxh3_64"].pop(), "chunk list does not match"),
+    (lambda m: m["files"][store.MODEL_FILE].update(size=2**60), "impossible size"),
+    (lambda m: m["files"][store.STATE_FILE].update(chunk_size=2**30), "chunk size out of"),
+    (lambda m: m["files"][store.STATE_FILE]["xxh3_64"].__setitem__(0, "x" * 16), "chunk hash"),
+    (lambda m: m["files"].pop(store.STATE_FILE), "wrong files"),
+    (lambda m: m.update(leader_key="0G" * 32), "malformed"),
+    (lambda m: m.update(leader_key="00" * 32), "signature does not verify"),
+    (lambda m: m.update(signature="00" * 64), "signature does not verify"),
+])
+def test_malformed_or_tampered_manifests_are_refused(leader, damage, reason):
+    manifest = store.read_manifest(leader.ckroot / leader.ckid)
+    assert check_answer({"id": leader.ckid, "manifest": manifest}) == (leader.ckid, manifest)
+    damage(manifest)
+    with pytest.raises(FetchError, match=reason):
+        check_answer({"id": leader.ckid, "manifest": manifest})
+
+
+def test_an_interrupted_fetch_resumes_with_only_the_missing_chunks(leader, tmp_path):
+    leader.cut_after = 3
+    with pytest.raises(FetchError, match="transfer failed"):
+        fetch(leader, tmp_path / "out", chunk_retries=1)
+    partial = tmp_path / "out" / (PARTIAL_PREFIX + leader.ckid)
+    done = json.loads((partial / "progress.json").read_text())["done"]
+    assert sum(len(v) for v in done.values()) == 3 and not (tmp_path / "out" / leader.ckid).exists()
+    leader.cut_after, leader.counts["chunks"] = None, 0
+    out = fetch(leader, tmp_path / "out")
+    assert leader.counts["chunks"] == 6 - 3
+    assert store.read_manifest(out)["leader"] == leader.ident.node_id and not partial.exists()
+
+
+def test_a_resumed_chunk_that_no_longer_hashes_right_is_fetched_again(leader, tmp_path):
+    leader.cut_after = 3
+    with pytest.raises(FetchError):
+        fetch(leader, tmp_path / "out", chunk_retries=0)
+    partial_model = tmp_path / "out" / (PARTIAL_PREFIX + leader.ckid) / store.MODEL_FILE
+    with open(partial_model, "r+b") as f:  # a crash lost part of a chunk listed as done
+        f.write(b"\0" * 16)
+    leader.cut_after, leader.counts["chunks"] = None, 0
+    fetch(leader, tmp_path / "out")
+    assert leader.counts["chunks"] == 6 - 3 + 1
+
+
+def test_path_traversal_unknown_files_and_bad_ids_get_404(leader):
+    ckid, model = leader.ckid, store.MODEL_FILE
+    ours = [f"/v1/checkpoint/..%2F..%2Fidentity.key/{model}",
+            f"/v1/checkpoint/{ckid}/..%2F..%2F..%2Fidentity.key",
+            f"/v1/checkpoint/%2e%2e/{model}",
+            f"/v1/checkpoint/{ckid}/..",
+            f"/v1/checkpoint/{ckid}/identity.key",
+            f"/v1/checkpoint/{ckid}/progress.json",
+            f"/v1/checkpoint/ckpt-t1-s1/{model}",
+            f"/v1/checkpoint/{ckid}%0A/{model}",
+            f"/v1/checkpoint/{quote(ckid.replace('0', ARABIC_ZERO))}/{model}",
+            f"/v1/checkpoint/ckpt-t000002-s0000000099/{model}"]
+
+    async def run():
+        async with serving(make_app(leader)) as base, aiohttp.ClientSession() as session:
+            signer = Signer(KEY, CLIENT_ID, 1)
+            for path in ours:
+                status, headers, body, rid = await raw_get(session, base, path, signer)
+                assert status == 404, path
+                signer.check_response("GET", URL(base + path, encoded=True).path, rid, 404,
+                                      headers, body)
+            status, *_ = await raw_get(session, base, "/v1/checkpoint/../../etc/passwd", signer)
+            assert status == 404
+    asyncio.run(run())
+
+
+def test_ranges_whole_files_and_unsatisfiable_ranges(leader):
+    path = f"/v1/checkpoint/{leader.ckid}/{store.MODEL_FILE}"
+    data = (leader.ckroot / leader.ckid / store.MODEL_FILE).read_bytes()
+
+    async def run():
+        async with serving(make_app(leader)) as base, aiohttp.ClientSession() as session:
+            signer = Signer(KEY, CLIENT_ID, 1)
+            for rng, status, want in [
+                (None, 200, data), ("bytes=10-19", 206, data[10:20]),
+                (f"bytes={len(data) - 5}-", 206, data[-5:]),
+                (f"bytes={len(data)}-{len(data) + 10}", 416, None),
+                ("bytes=-5", 416, None), ("bytes=0-1,4-5", 416, None), ("items=0-1", 416, None),
+            ]:
+                got, headers, body, rid = await raw_get(session, base, path, signer,
+                                                        {"Range": rng} if rng else None)
+                assert got == status, rng
+                signer.check_response("GET", path, rid, status, headers, body)
+                if want is not None:
+                    assert body == want
+                if status == 416:
+                    assert headers["Content-Range"] == f"bytes */{len(data)}"
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("header,size,want", [
+    ("bytes=0-9", 100, (0, 9)), ("bytes=90-200", 100, (90, 99)), ("bytes=5-", 100, (5, 99)),
+    (" bytes = 1-2 ", 100, (1, 2)), ("bytes=0-", 10**12, (0, ckptserve.MAX_RANGE - 1)),
+    ("bytes=100-", 100, None), ("bytes=9-3", 100, None), ("bytes=-3", 100, None),
+    ("bytes=1-2,3-4", 100, None), ("bytes=0x1-2", 100, None), ("bytes=" + "9" * 30 + "-", 100,
+                                                                None),
+    ("bytes=\u0661-2", 100, None), ("", 100, None), ("bytes=0-0", 0, None),
+])
+def test_parse_range(header, size, want):
+    if want is None:
+        with pytest.raises(RangeError):
+            parse_range(header, size)
+    else:
+        assert parse_range(header, size) == want
+
+
+def test_without_a_checkpoint_of_its_own_the_leader_has_none_to_give(leader, tmp_path):
+    other = load_or_create(tmp_path / "other")
+    save_checkpoint(leader.ckroot, other, step=9)  # newer, but not signed by the leader
+    assert latest_own(leader.ckroot, leader.ident.node_id)[0] == leader.ckid
+    assert latest_own(leader.ckroot, other.node_id)[0] == "ckpt-t000002-s0000000009"
+    leader.ckroot = tmp_path / "empty"
+    with pytest.raises(FetchError, match="no checkpoint"):
+        fetch(leader, tmp_path / "out")
+
+
+def test_verification_is_cached_until_the_manifest_changes(leader, monkeypatch):
+    calls = []
+    real = store.read_manifest
+    monkeypatch.setattr(store, "read_manifest", lambda p: calls.append(p.name) or real(p))
+    for _ in range(3):
+        assert latest_own(leader.ckroot, leader.ident.node_id)[0] == leader.ckid
+    assert calls == [leader.ckid]
+    save_checkpoint(leader.ckroot, leader.ident, seed=1)  # the same (term, step) rewritten
+    assert latest_own(leader.ckroot, leader.ident.node_id)[0] == leader.ckid
+    assert calls == [leader.ckid, leader.ckid]
