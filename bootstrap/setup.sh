@@ -72,6 +72,20 @@ if [ ! -x "$venv/bin/python" ]; then
   say "created virtual environment $venv"
 fi
 
+if [ -n "$extras" ] && [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+  # the multi-host tests build hosts from network namespaces: ip, iptables (as root only;
+  # without root they skip, with a reason)
+  missing=""
+  command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+  command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
+  if [ -n "$missing" ]; then
+    say "installing tools for the network-namespace tests:$missing"
+    # shellcheck disable=SC2086  # word splitting of the package list is intended
+    apt-get update -qq && apt-get install -y -qq $missing >/dev/null ||
+      say "warning: could not install$missing; the network-namespace tests will say so"
+  fi
+fi
+
 say "installing p2ptrain$extras (numpy, aiohttp, zeroconf, cryptography, xxhash, safetensors)"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$repo$extras"

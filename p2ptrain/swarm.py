@@ -74,7 +74,8 @@ def parse_token(token: str) -> Swarm:
                          f"`p2ptrain init` prints one)")
     name, key_text = check_name(parts[1]), parts[2]
     try:
-        key = base64.urlsafe_b64decode(key_text + "=" * (-len(key_text) % 4))
+        key = base64.b64decode(key_text + "=" * (-len(key_text) % 4), altchars=b"-_",
+                               validate=True)
     except (binascii.Error, ValueError):
         raise SwarmError("join token: the key part is not base64url") from None
     if len(key) != 32:

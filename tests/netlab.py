@@ -180,11 +180,11 @@ class NetLab:
         self._closed = True
         atexit.unregister(self.close)
         self._stop_processes()
-        for ns in self._namespaces:
-            self._quietly("netns", "delete", ns)
-        for link in reversed(self._links):  # veths normally died with their namespace
+        for link in reversed(self._links):  # host ends first (deleting one removes its pair)
             if _ip("link", "show", link, check=False).returncode == 0:
                 self._quietly("link", "delete", link)
+        for ns in self._namespaces:
+            self._quietly("netns", "delete", ns)
 
     def _stop_processes(self) -> None:
         """SIGTERM everything we started (and stragglers in our namespaces), then SIGKILL."""

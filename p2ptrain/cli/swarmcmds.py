@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from p2ptrain.config import OPTIONS, SWARM_KEY_PREFIXES, Config, config_file_from, resolve
+from p2ptrain.net.auth import AuthError
 from p2ptrain.report import Reporter, human_count
 from p2ptrain.solo import UserError
 from p2ptrain.swarm import (
@@ -32,8 +33,6 @@ from p2ptrain.swarm import (
     read_key_file,
     write_init_files,
 )
-
-FIND_TIMEOUT = 30.0  # s to find a peer (config, leader) before giving up
 
 
 def swarm_of(cfg: Config, config_file: str | None) -> Swarm:
@@ -61,24 +60,30 @@ def throwaway_signer(swarm: Swarm):
     return Signer(derive_mac_key(swarm.key), secrets.token_hex(16), 0)
 
 
-async def _candidates(swarm: Swarm, peers: list[str], timeout: float):
-    """Addresses to ask, as they become known: the given peers first, then mDNS finds."""
+async def _candidates(swarm: Swarm, peers: list[str], timeout: float, rounds: bool = False):
+    """Addresses to ask, as they become known: the given peers (again every second until the
+    timeout when `rounds`, as they may still be starting), else what mDNS finds."""
     from p2ptrain.net.discovery import Discovery, resolve_seeds
 
-    resolved, failed = await resolve_seeds(peers, 7100)
-    for problem in failed:
-        print(f"p2ptrain: warning: peer {problem}", file=sys.stderr)
-    for addr in resolved:
-        yield addr
+    deadline = time.monotonic() + timeout
     if peers:
-        return
+        said: set[str] = set()
+        while True:
+            resolved, failed = await resolve_seeds(peers, 7100)
+            for problem in set(failed) - said:
+                said.add(problem)
+                print(f"p2ptrain: warning: peer {problem}", file=sys.stderr)
+            for addr in resolved:
+                yield addr
+            if not rounds or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(1.0)
     queue: asyncio.Queue[str] = asyncio.Queue()
     discovery = Discovery(swarm_id=swarm.swarm_id, node_id=secrets.token_hex(16), port=1,
                           addresses=None, device_class="tool", advertise=False,
                           on_found=lambda addr, _node: queue.put_nowait(addr))
     try:
         await discovery.start()
-        deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
                 yield await asyncio.wait_for(queue.get(), left)
@@ -88,36 +93,36 @@ async def _candidates(swarm: Swarm, peers: list[str], timeout: float):
         await discovery.close()
 
 
-async def fetch_swarm_config(swarm: Swarm, peers: list[str], timeout: float = FIND_TIMEOUT
-                             ) -> tuple[dict[str, Any], str]:
-    """The swarm-wide options from the first peer that answers `GET /v1/config`."""
+async def fetch_swarm_config(swarm: Swarm, peers: list[str], timeout: float
+                             ) -> tuple[dict[str, Any], str] | None:
+    """The swarm-wide options from the first peer that answers `GET /v1/config`; None when
+    no member answers within `timeout` (this node may be the swarm's first); UserError when
+    a peer refuses our authentication (a wrong token)."""
     from p2ptrain.net.server import read_limited
 
     signer = throwaway_signer(swarm)
-    problems = []
     async with aiohttp.ClientSession() as session:
-        async for addr in _candidates(swarm, peers, timeout):
+        async for addr in _candidates(swarm, peers, timeout, rounds=True):
             rid, headers = signer.sign_request("GET", "/v1/config")
             try:
                 async with session.get(f"http://{addr}/v1/config", headers=headers,
                                        timeout=aiohttp.ClientTimeout(total=10)) as resp:
                     body = await read_limited(resp.content, 1 << 20)
-                    if body is None:
-                        raise ValueError("configuration too large")
+                    if resp.status == 401:
+                        raise UserError(f"{addr} refused this token (HTTP 401): is it the "
+                                        f"token of that swarm?")
+                    if body is None or resp.status != 200:
+                        continue
                     signer.check_response("GET", "/v1/config", rid, resp.status,
                                           resp.headers, body)
-                    if resp.status != 200:
-                        raise ValueError(f"HTTP {resp.status}")
                     doc = json.loads(body)
                     options = doc["options"]
-                    if not isinstance(options, dict):
-                        raise ValueError("options is not a table")
-                    return options, addr
-            except Exception as exc:  # try the next peer; report all at the end
-                problems.append(f"{addr}: {exc}")
-    detail = "; ".join(problems) if problems else "no peer of this swarm found"
-    raise UserError(f"cannot fetch the swarm's configuration ({detail}); give a peer with "
-                    f"--peer HOST:PORT or check the token")
+                    if isinstance(options, dict):
+                        return options, addr
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError,
+                    TypeError, AuthError):
+                continue  # not up yet, or not one of ours: try the next
+    return None
 
 
 def cmd_join(args, flags: dict) -> int:
@@ -135,10 +140,16 @@ def cmd_join(args, flags: dict) -> int:
         peers = [p for p in cfg["net.peers"].split(",") if p.strip()]
         reporter.info(f"fetching the configuration of swarm {swarm.name!r} from a peer ...",
                       event="config_fetch")
-        options, addr = asyncio.run(fetch_swarm_config(swarm, peers))
-        cfg = resolve(None, os.environ, flags, adopted=options, adopted_from=addr)
-        reporter.info(f"adopted the swarm's configuration from {addr}", event="config_adopted",
-                      peer=addr)
+        found = asyncio.run(fetch_swarm_config(swarm, peers, cfg["node.join_timeout"]))
+        if found is None:
+            reporter.warn(f"no member of swarm {swarm.name!r} answered within "
+                          f"{cfg['node.join_timeout']:g}s: starting it with this node's own "
+                          f"configuration", event="config_local")
+        else:
+            options, addr = found
+            cfg = resolve(None, os.environ, flags, adopted=options, adopted_from=addr)
+            reporter.info(f"adopted the swarm's configuration from {addr}",
+                          event="config_adopted", peer=addr)
     return asyncio.run(Runtime(cfg, reporter, swarm).run())
 
 

@@ -22,7 +22,8 @@ class TokenBucket:
 
     def __init__(self, rate_bytes: float, burst: float | None = None):
         self.rate = float(rate_bytes)
-        self.burst = float(burst if burst is not None else max(MIN_SLICE, self.rate * 0.1))
+        # a burst of three slices: lateness of the event loop is made up, not lost
+        self.burst = float(burst if burst is not None else max(2 * MIN_SLICE, self.rate * 0.3))
         self.tokens = self.burst
         self.stamp: float | None = None
         self.sent = 0  # bytes that passed the bucket (also without a cap)

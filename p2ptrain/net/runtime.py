@@ -40,7 +40,7 @@ from p2ptrain.config import Config, swarm_options
 from p2ptrain.identity import load_or_create
 from p2ptrain.net import joinflow
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
-from p2ptrain.net.discovery import format_peer, parse_peer
+from p2ptrain.net.discovery import format_peer, host_ipv4_addresses, parse_peer
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.saving import Saver
@@ -82,8 +82,8 @@ def guess_address(bind: str) -> str:
         try:
             s.connect(("192.0.2.1", 9))  # TEST-NET: picks a route, sends nothing
             return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
+        except OSError:  # no default route (an offline LAN): any non-loopback address
+            return host_ipv4_addresses()[0]
 
 
 def gossip_config(cfg: Config) -> GossipConfig:
@@ -191,7 +191,9 @@ class Runtime:
                 ) -> tuple[int, list[bytes], str]:
         """A message that arrived in a request: (HTTP status, reply frames, refusal reason)."""
         self.inbound += 1
-        actions, replies = self.handle(Received(remote, envelope), reply_to=sender)
+        # where the sender accepts requests (the TCP peer address has an ephemeral port)
+        addr = envelope.header.addr or remote
+        actions, replies = self.handle(Received(addr, envelope), reply_to=sender)
         self._note_first_exchange()
         status, reason = 200, ""
         for action in actions:

@@ -112,6 +112,7 @@ async def _message(request: web.Request) -> web.StreamResponse:
     payload = b"".join(replies)
     headers = signed(status, payload)
     if len(payload) <= MiB:
+        await rt.bucket.take(len(payload))  # every body we send counts against the cap
         return web.Response(status=status, body=payload, headers=headers,
                             content_type="application/octet-stream")
     response = web.StreamResponse(status=status, headers=headers)

@@ -87,9 +87,9 @@ class Election:
                 self._start_yield(now, cur.term, v)
             self._follow(now, v, actions)
         elif v.leader == sender:  # another leader, with a lower claim, speaks to us directly
-            if self.leading:
-                self._claim(now, max(self.term, v.term) + 1, msgs, actions)
-            msgs.append(Out(sender, addr, Notify()))  # our view rides in the header
+            if self.leading and v.term >= self.term:  # move above both, once: later messages
+                self._claim(now, max(self.term, v.term) + 1, msgs, actions)  # of the loser
+            msgs.append(Out(sender, addr, Notify(), reply=True))  # still carry its old claim
         elif self.leading and v.term == cur.term:  # a rival of our own term, heard by relay
             self._claim(now, self.term + 1, msgs, actions)
 
