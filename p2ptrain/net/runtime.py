@@ -29,6 +29,7 @@ import os
 import random
 import signal
 import socket
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,7 @@ class Runtime:
         self.phase = "starting"
         self.stats: dict[str, int] = {}
         self.stop_reason: str | None = None
+        self.exit_code = 0
         self._stop = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._step_future: asyncio.Future | None = None
@@ -151,9 +153,16 @@ class Runtime:
         """Feed one event to the node and perform its actions; Sends that answer `reply_to`'s
         request are returned instead of posted."""
         node = self.node
-        if node is None:
+        if node is None or self.exit_code:
             return [], []
-        actions = node.handle(self.now(), event)
+        try:
+            actions = node.handle(self.now(), event)
+        except Exception as exc:  # a bug: stop loudly rather than run on with a broken node
+            self.reporter.warn("internal error in the protocol node:\n"
+                               + "".join(traceback.format_exception(exc)), event="internal_error")
+            self.exit_code = 1
+            self.request_stop(f"internal error ({exc!r})")
+            return [], []
         replies: list[Send] = []
         for action in actions:
             kind = type(action)
@@ -452,7 +461,7 @@ class Runtime:
         reporter.info(f"stopped: {self.stop_reason}; {self.learner.step} steps, "
                       f"{human_count(self.learner.samples)} samples", event="stopped",
                       reason=self.stop_reason, step=self.learner.step, eval_loss=self.eval_loss)
-        return 0
+        return self.exit_code
 
     async def _shutdown(self) -> None:
         self.phase = "stopping"
