@@ -242,6 +242,9 @@ class Runtime:
     # -- steps -----------------------------------------------------------------------------------
 
     def _start_step(self, step: int) -> None:
+        if self._switch_pending:  # at a step boundary: the new node asks for its own step
+            self._become_outbound_only()
+            return
         if self.joining.holding or self._stop.is_set():
             self._parked = step
             return
@@ -272,8 +275,6 @@ class Runtime:
         if eval_loss is not None:
             self._last_eval = self.now()
         self.handle(StepDone(step, float(loss)))
-        if self._switch_pending:
-            self._become_outbound_only()
         if eval_loss is not None:
             self.eval_loss = eval_loss
             self.handle(Evaluated(eval_loss))
