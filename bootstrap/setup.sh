@@ -74,15 +74,17 @@ fi
 
 if [ -n "$extras" ] && [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
   # the multi-host tests build hosts from network namespaces: ip, iptables (as root only;
-  # without root they skip, with a reason)
+  # without root they skip, with a reason); the docker/ tests lint shell scripts: shellcheck
   missing=""
   command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
   command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
+  command -v shellcheck >/dev/null 2>&1 || missing="$missing shellcheck"
   if [ -n "$missing" ]; then
-    say "installing tools for the network-namespace tests:$missing"
+    say "installing test tools:$missing"
     # shellcheck disable=SC2086  # word splitting of the package list is intended
-    apt-get update -qq && apt-get install -y -qq $missing >/dev/null ||
-      say "warning: could not install$missing; the network-namespace tests will say so"
+    if ! { apt-get update -qq && apt-get install -y -qq $missing >/dev/null; }; then
+      say "warning: could not install$missing; the tests that need them will say so"
+    fi
   fi
 fi
 

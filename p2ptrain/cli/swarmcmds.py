@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
@@ -60,7 +61,8 @@ def throwaway_signer(swarm: Swarm):
     return Signer(derive_mac_key(swarm.key), secrets.token_hex(16), 0)
 
 
-async def _candidates(swarm: Swarm, peers: list[str], timeout: float, rounds: bool = False):
+async def _candidates(swarm: Swarm, peers: list[str], timeout: float, rounds: bool = False,
+                      mdns: bool = True):
     """Addresses to ask, as they become known: the given peers (again every second until the
     timeout when `rounds`, as they may still be starting), else what mDNS finds."""
     from p2ptrain.net.discovery import Discovery, resolve_seeds
@@ -78,6 +80,8 @@ async def _candidates(swarm: Swarm, peers: list[str], timeout: float, rounds: bo
             if not rounds or time.monotonic() >= deadline:
                 return
             await asyncio.sleep(1.0)
+    if not mdns:
+        return
     queue: asyncio.Queue[str] = asyncio.Queue()
     discovery = Discovery(swarm_id=swarm.swarm_id, node_id=secrets.token_hex(16), port=1,
                           addresses=None, device_class="tool", advertise=False,
@@ -93,7 +97,7 @@ async def _candidates(swarm: Swarm, peers: list[str], timeout: float, rounds: bo
         await discovery.close()
 
 
-async def fetch_swarm_config(swarm: Swarm, peers: list[str], timeout: float
+async def fetch_swarm_config(swarm: Swarm, peers: list[str], timeout: float, mdns: bool = True
                              ) -> tuple[dict[str, Any], str] | None:
     """The swarm-wide options from the first peer that answers `GET /v1/config`; None when
     no member answers within `timeout` (this node may be the swarm's first); UserError when
@@ -102,7 +106,7 @@ async def fetch_swarm_config(swarm: Swarm, peers: list[str], timeout: float
 
     signer = throwaway_signer(swarm)
     async with aiohttp.ClientSession() as session:
-        async for addr in _candidates(swarm, peers, timeout, rounds=True):
+        async for addr in _candidates(swarm, peers, timeout, rounds=True, mdns=mdns):
             rid, headers = signer.sign_request("GET", "/v1/config")
             try:
                 async with session.get(f"http://{addr}/v1/config", headers=headers,
@@ -134,13 +138,17 @@ def cmd_join(args, flags: dict) -> int:
     reporter = Reporter(cfg["log.format"])
     if cfg["node.alone"]:
         return solo.run(cfg, reporter)
+    # until the runtime installs its handlers (after the config fetch and the model build), a
+    # SIGTERM (docker stop) ends the process cleanly: nothing has been trained yet
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     swarm = swarm_of(cfg, config_file)
     explicit_token = cfg["swarm.token"] or cfg["swarm.token_file"]
     if explicit_token and not config_file:
         peers = [p for p in cfg["net.peers"].split(",") if p.strip()]
         reporter.info(f"fetching the configuration of swarm {swarm.name!r} from a peer ...",
                       event="config_fetch")
-        found = asyncio.run(fetch_swarm_config(swarm, peers, cfg["node.join_timeout"]))
+        found = asyncio.run(fetch_swarm_config(swarm, peers, cfg["node.join_timeout"],
+                                               cfg["net.mdns"]))
         if found is None:
             reporter.warn(f"no member of swarm {swarm.name!r} answered within "
                           f"{cfg['node.join_timeout']:g}s: starting it with this node's own "
@@ -270,7 +278,7 @@ def cmd_fetch(args, flags: dict) -> int:
 
     async def run() -> Path:
         async with aiohttp.ClientSession() as session:
-            async for addr in _candidates(swarm, peers, args.timeout):
+            async for addr in _candidates(swarm, peers, args.timeout, mdns=cfg["net.mdns"]):
                 try:
                     doc = await _get_json(session, f"http://{addr}/v1/status")
                 except (UserError, aiohttp.ClientError, OSError, TimeoutError):

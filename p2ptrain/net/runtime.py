@@ -75,16 +75,21 @@ from p2ptrain.swarm import Swarm
 TERM_FILE = "term"  # highest term this node led: its term_floor after a restart
 
 
-def guess_address(bind: str) -> str:
-    """The address peers should use: the bound one, or the source of the default route."""
+def guess_address(bind: str, toward: str | None = None) -> str:
+    """The address peers should use: the bound one, else the source address of the route
+    toward the first seed (its network is the peers' network), else of the default route,
+    else any non-loopback address (an offline LAN)."""
     if bind not in ("", "0.0.0.0", "::"):
         return bind
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))  # TEST-NET: picks a route, sends nothing
-            return s.getsockname()[0]
-        except OSError:  # no default route (an offline LAN): any non-loopback address
-            return host_ipv4_addresses()[0]
+    targets = [toward] if toward else []
+    for target in [*targets, "192.0.2.1"]:  # TEST-NET: picks a route, sends nothing
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((target, 9))
+                return s.getsockname()[0]
+            except (OSError, UnicodeError):
+                continue
+    return host_ipv4_addresses()[0]
 
 
 def gossip_config(cfg: Config) -> GossipConfig:
@@ -418,8 +423,10 @@ class Runtime:
                                 f"{exc.strerror or exc}") from None
             port = runner.addresses[0][1]
             try:
+                seeds = [p for p in cfg["net.peers"].split(",") if p.strip()]
+                toward = parse_peer(seeds[0])[0] if seeds else None
                 host, adv_port = parse_peer(cfg["net.advertise"] or guess_address(
-                    cfg["net.bind"]), port)
+                    cfg["net.bind"], toward), port)
             except ValueError as exc:
                 raise UserError(f"--advertise: {exc}") from None
             addr = format_peer(host, adv_port)
