@@ -149,7 +149,7 @@ class Learner:
                 raise checkpoint.CheckpointError(f"{path.name}: bad resume data ({exc})") from None
             same_node = meta.get("node_id") == self.node_id
         np.copyto(self.params, params)
-        self.count = count
+        self.count.merge(count.as_dict())  # merged: what this node knew is never lost
         if with_state:
             np.copyto(self.opt.m, m)
             np.copyto(self.opt.v, v)

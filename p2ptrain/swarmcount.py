@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+MAX_ENTRIES = 16384  # node ids counted at most: entries past it are ignored (a hostile peer
+# could otherwise grow the counter, and every message that carries it, without bound)
+
 
 class SwarmCount:
     def __init__(self, counts: Mapping[str, int] | None = None):
@@ -27,7 +30,8 @@ class SwarmCount:
         for node_id, n in other.items():
             if not isinstance(node_id, str) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"bad swarm count entry {node_id!r}: {n!r}")
-            if n > self._counts.get(node_id, 0):
+            if n > self._counts.get(node_id, 0) and (
+                    node_id in self._counts or len(self._counts) < MAX_ENTRIES):
                 self._counts[node_id] = n
 
     def get(self, node_id: str) -> int:

@@ -255,7 +255,10 @@ def size_cases(peer: FakePeer) -> list[Case]:
 
     def chunked() -> Awaitable[Answer]:
         data = b"\0" * (CONTROL_LIMIT + 1)
-        return raw_http(peer.addr, post_head(peer.addr, CONTROL, "Transfer-Encoding: chunked")
+        # well-formed (unverifiable) credentials: the server reads up to the limit, then 413
+        creds = f"X-P2P-Sender: {peer.node_id}\r\nX-P2P-Seq: 1.1\r\nX-P2P-MAC: {'0' * 64}"
+        return raw_http(peer.addr, post_head(peer.addr, CONTROL, "Transfer-Encoding: chunked\r\n"
+                                             + creds)
                         + f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n")
 
     return [Case("Content-Length above the gossip limit", 413, "exceeds",

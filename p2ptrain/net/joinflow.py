@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 SEED_INTERVAL = 30.0  # s between re-resolutions of the static/DNS seeds
 FETCHED_DIR = "fetched"  # under the state dir: checkpoints fetched from leaders
+FETCH_DEADLINE = 600.0  # s for the whole join-time fetch (a stalled leader cannot hold us)
 
 
 def read_int(path: Path) -> int:
@@ -73,6 +74,7 @@ class JoinFlow:
         if self.state == "done":
             return
         self.state = "done"
+        self.rt.node.hold = False
         if self.rt.phase in ("starting", "fetching"):
             self.rt.phase = "running"
         self.rt.reporter.info(f"training starts at step {self.rt.learner.step}: {why}",
@@ -87,8 +89,9 @@ class JoinFlow:
         try:
             rt.reporter.info(f"fetching the leader's checkpoint from {addr}", event="fetching",
                              leader=leader, addr=addr)
-            path = await fetch_latest(rt.session, f"http://{addr}", rt.signer, root,
-                                      expected_leader=leader)
+            path = await asyncio.wait_for(
+                fetch_latest(rt.session, f"http://{addr}", rt.signer, root,
+                             expected_leader=leader), FETCH_DEADLINE)
             manifest = await asyncio.get_running_loop().run_in_executor(
                 rt.io_pool, checkpoint.read_manifest, path)
             if manifest.get("fingerprint") != learner.fingerprint:
@@ -98,12 +101,16 @@ class JoinFlow:
                        f"({learner.count.total:,} swarm samples)")
             else:
                 learner.restore(path, manifest, with_state=False)
+                rt.node.replica_replaced()
                 why = (f"weights from the leader's checkpoint {path.name} "
                        f"({manifest['swarm_samples']:,} swarm samples)")
             for old in checkpoint.list_checkpoints(root)[1:]:
                 shutil.rmtree(old, ignore_errors=True)
         except FetchError as exc:
             why = f"no checkpoint from the leader ({exc}); starting from the local weights"
+        except TimeoutError:
+            why = (f"the leader's checkpoint did not arrive within {FETCH_DEADLINE:g}s; "
+                   f"starting from the local weights (averaging catches up)")
         except checkpoint.CheckpointError as exc:
             why = f"the fetched checkpoint is unusable ({exc}); starting from the local weights"
         finally:

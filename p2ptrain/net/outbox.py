@@ -32,15 +32,23 @@ BULK_ROUTES = ("/v1/gossip", "/v1/average")
 DROPPABLE = "/v1/gossip"  # gradient pushes: fire and forget, dropped when the peer lags
 MAX_BULK_IN_FLIGHT = 2  # bulk requests to one peer at once; more are dropped
 CONTROL_TIMEOUT = 10.0  # s for a control message round trip
-BULK_TIMEOUT = 300.0  # s for a gradient or averaging exchange (slow uplinks)
+BULK_TIMEOUT = 300.0  # s for a gradient push (slow uplinks)
+# s for an averaging exchange: shorter than the node's own give-up time (runtime.py), so a
+# reply never lands after the initiator has abandoned the exchange
+AVERAGE_TIMEOUT = 80.0
+CONNECT_TIMEOUT = 5.0  # s to open a connection
 
 
 class Outbox:
     """Posts messages for one node; `on_frames(addr, frames)` receives response frames."""
 
-    def __init__(self, session: aiohttp.ClientSession, signer: Signer, bucket: TokenBucket,
+    def __init__(self, session: aiohttp.ClientSession, control_session: aiohttp.ClientSession,
+                 signer: Signer, bucket: TokenBucket,
                  on_frames: Callable[[str, list[bytes]], None], reporter: Reporter):
-        self.session, self.signer, self.bucket = session, signer, bucket
+        # two connection pools: a peer that hangs on bulk transfers cannot starve the small
+        # control messages (heartbeats, probes) to everyone else
+        self.session, self.control_session = session, control_session
+        self.signer, self.bucket = signer, bucket
         self.on_frames, self.reporter = on_frames, reporter
         self.in_flight: Counter[str] = Counter()  # bulk requests per address
         self.failures: Counter[str] = Counter()  # failed requests per address
@@ -55,7 +63,11 @@ class Outbox:
         if route == DROPPABLE and self.in_flight[action.addr] >= MAX_BULK_IN_FLIGHT:
             self.stats["gradients_dropped_busy_peer"] += 1  # the averaging exchange never is
             return
-        data = wire.encode(action.envelope)
+        try:
+            data = wire.encode(action.envelope)
+        except ValueError as exc:  # too large for the wire: say so once, drop it
+            self._failed(action.addr, route, exc)
+            return
         if bulk:
             self.in_flight[action.addr] += 1
         task = asyncio.get_running_loop().create_task(self._post(action.addr, route, data, bulk))
@@ -66,9 +78,12 @@ class Outbox:
         rid, headers = self.signer.sign_request("POST", route, data)
         headers["Content-Type"] = "application/octet-stream"
         headers["Content-Length"] = str(len(data))
-        timeout = aiohttp.ClientTimeout(total=BULK_TIMEOUT if bulk else CONTROL_TIMEOUT)
+        timeout = aiohttp.ClientTimeout(
+            total=AVERAGE_TIMEOUT if route == "/v1/average" else
+            BULK_TIMEOUT if bulk else CONTROL_TIMEOUT, sock_connect=CONNECT_TIMEOUT)
+        session = self.session if bulk else self.control_session
         try:
-            async with self.session.post(f"http://{addr}{route}", data=paced(data, self.bucket),
+            async with session.post(f"http://{addr}{route}", data=paced(data, self.bucket),
                                          headers=headers, timeout=timeout) as resp:
                 body = await read_limited(resp.content, MAX_REPLY)
                 if body is None:

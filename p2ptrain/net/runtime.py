@@ -73,6 +73,8 @@ from p2ptrain.solo import UserError, _fault_hook, prepare
 from p2ptrain.swarm import Swarm
 
 TERM_FILE = "term"  # highest term this node led: its term_floor after a restart
+AVERAGE_GIVE_UP = 90.0  # s before an averaging exchange without a reply is abandoned (longer
+# than the request's own timeout in outbox.py: a slow uplink may take a minute per snapshot)
 
 
 def guess_address(bind: str, toward: str | None = None) -> str:
@@ -98,6 +100,7 @@ def gossip_config(cfg: Config) -> GossipConfig:
     return GossipConfig(fanout=cfg["gossip.fanout"], codec=codec, codec_params=params,
                         average_every=cfg["gossip.average_every"],
                         averaging=cfg["gossip.averaging"],
+                        subset_fraction=cfg["gossip.subset_fraction"],
                         max_staleness_samples=cfg["gossip.max_staleness_samples"])
 
 
@@ -114,6 +117,7 @@ class Runtime:
         self.stats: dict[str, int] = {}
         self.stop_reason: str | None = None
         self.exit_code = 0
+        self._signalled = False
         self._stop = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._step_future: asyncio.Future | None = None
@@ -326,9 +330,10 @@ class Runtime:
         self._stop.set()
 
     def _on_signal(self, signum: int) -> None:
-        if self._stop.is_set() and self.stop_reason in ("SIGINT", "SIGTERM"):
+        if self._signalled:
             self.reporter.warn("second signal: exiting at once")
             os._exit(130)
+        self._signalled = True
         self.request_stop(signal.Signals(signum).name)
 
     def _member_info(self, hw, addr: str) -> MemberInfo:
@@ -342,12 +347,22 @@ class Runtime:
 
     def _make_node(self) -> Node:
         cfg = self.cfg
+        gossip = gossip_config(cfg)
+        plan = gossip.averaging_plan(self.learner.params.shape[0])
+        size = plan.capacity * (2 if plan.values == "fp16" else 4)
+        if gossip.average_every and size > 0.95 * wire.MAX_BLOB:
+            raise UserError(
+                f"the model is too large for one averaging message ({size / 2**20:.0f} MiB; "
+                f"the limit is {wire.MAX_BLOB >> 20} MiB): set gossip.averaging = "
+                f"\"subset_fp16\" with a small gossip.subset_fraction, or "
+                f"gossip.average_every = 0 (chunked exchanges are not built yet)")
         term_floor = joinflow.read_int(self.state_dir / TERM_FILE)
         seed = int.from_bytes(hashlib.sha256(
             f"{self.node_id}/{self.identity.incarnation}".encode()).digest()[:8], "big")
         return Node(self._proto_config(), self.me, self.learner,
-                    NodeConfig(gossip=gossip_config(cfg), min_peers=cfg["node.min_peers"],
-                               join_timeout=cfg["node.join_timeout"]),
+                    NodeConfig(gossip=gossip, min_peers=cfg["node.min_peers"],
+                               join_timeout=cfg["node.join_timeout"],
+                               average_timeout=AVERAGE_GIVE_UP),
                     incarnation=self.identity.incarnation, now=self.now(),
                     rng=random.Random(seed), term_floor=term_floor)
 
@@ -383,6 +398,7 @@ class Runtime:
         self.me = dataclasses.replace(self.me, outbound_only=True)
         self._parked = None  # the old node's step; the new node asks for its own
         self.node = self._make_node()
+        self.node.hold = self.joining.holding
         for state, _, info in old.control.members().values():
             if state == "alive":
                 self.handle(Discovered(info.addr))
@@ -410,7 +426,8 @@ class Runtime:
         if self.swarm.is_demo:
             reporter.warn("joining the public DEMO swarm: anyone on this LAN may join it; "
                           "for a real fleet run `p2ptrain init` and join with its token")
-        runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
+        runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True,
+                               shutdown_timeout=min(5.0, cfg["node.grace_seconds"] / 4))
         await runner.setup()
         self.session: aiohttp.ClientSession | None = None
         discovery = None
@@ -432,10 +449,16 @@ class Runtime:
             addr = format_peer(host, adv_port)
             self.me = self._member_info(hw, addr)
             self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=64), auto_decompress=False)
-            self.outbox = Outbox(self.session, self.signer, self.bucket, self.on_frames, reporter)
+                connector=aiohttp.TCPConnector(limit=64, limit_per_host=4),
+                auto_decompress=False)
+            self.control_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=256, limit_per_host=8),
+                auto_decompress=False)
+            self.outbox = Outbox(self.session, self.control_session, self.signer, self.bucket,
+                                 self.on_frames, reporter)
             self.joining = joinflow.JoinFlow(self, cfg["node.join_timeout"])
             self.node = self._make_node()
+            self.node.hold = True  # until the join flow is done
             self.phase = "running"
             reporter.info(f"node {self.node_id[:12]} listening on {cfg['net.bind']}:{port}, "
                           f"advertised as {addr}, swarm {self.swarm.name!r} "
@@ -463,9 +486,10 @@ class Runtime:
             if self.session is not None:
                 await self.outbox.close()
                 await self.session.close()
+                await self.control_session.close()
             await runner.cleanup()
-            self.step_pool.shutdown(wait=True)
-            self.io_pool.shutdown(wait=True)
+            self.step_pool.shutdown(wait=False, cancel_futures=True)  # a step in flight is
+            self.io_pool.shutdown(wait=True)  # waited for above; a checkpoint write must end
         reporter.info(f"stopped: {self.stop_reason}; {self.learner.step} steps, "
                       f"{human_count(self.learner.samples)} samples", event="stopped",
                       reason=self.stop_reason, step=self.learner.step, eval_loss=self.eval_loss)

@@ -23,13 +23,14 @@ the key or weights; `net.open_routes = false` puts them behind the MAC too.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from p2ptrain.net import ckptserve, dashboard
-from p2ptrain.net.auth import AuthError
+from p2ptrain.net.auth import AuthError, parse_request
 from p2ptrain.net.pacing import paced
 from p2ptrain.proto import messages as m
 from p2ptrain.proto import wire
@@ -51,6 +52,8 @@ ROUTES: dict[str, tuple[tuple[type, ...], int]] = {
 _ROUTE_OF = {cls: route for route, (classes, _) in ROUTES.items() for cls in classes}
 MAX_REPLY = wire.MAX_JSON + wire.MAX_BLOB + 64 * 1024  # a response body, at most
 RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime")
+BULK_READS: web.AppKey[asyncio.Semaphore] = web.AppKey("bulk_reads")
+MAX_BULK_READS = 4  # bulk request bodies being read at once
 
 
 def route_of(body: m.Body) -> str:
@@ -79,7 +82,16 @@ async def _message(request: web.Request) -> web.StreamResponse:
     classes, limit = ROUTES[path]
     if request.content_length is not None and request.content_length > limit:
         return _error(413, f"body of {request.content_length} bytes exceeds {limit} on {path}")
-    body = await read_limited(request.content, limit)
+    try:
+        parse_request(request.headers)  # no credentials: refused before the body is read
+    except AuthError as exc:
+        rt.count("refused_auth")
+        return _error(401, exc.reason)
+    if limit > MiB:  # bulk bodies: a few at a time, so junk cannot fill the memory
+        async with request.app[BULK_READS]:
+            body = await read_limited(request.content, limit)
+    else:
+        body = await read_limited(request.content, limit)
     if body is None:
         return _error(413, f"body exceeds {limit} bytes on {path}")
     try:
@@ -175,6 +187,7 @@ def build_app(rt: Runtime) -> web.Application:
     """The application of one node (the runtime owns its lifecycle)."""
     app = web.Application(client_max_size=MAX_REPLY)
     app[RUNTIME] = rt
+    app[BULK_READS] = asyncio.Semaphore(MAX_BULK_READS)
     for route in ROUTES:
         app.router.add_post(route, _message)
     app.router.add_get("/v1/config", _config)

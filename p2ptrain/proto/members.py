@@ -37,6 +37,8 @@ from p2ptrain.proto.records import (
 )
 from p2ptrain.proto.suspicion import Suspicion, expected_confirmations
 
+MAX_REFUSED = 1024  # (node id, incarnation) pairs already refused and reported
+
 
 @dataclass(slots=True)
 class Member:
@@ -149,6 +151,8 @@ class MemberTable:
             return
         if info.fingerprint != self.me.fingerprint:
             if (u.node_id, u.incarnation) not in self._refused:
+                if len(self._refused) >= MAX_REFUSED:  # bounded: forget, maybe say again
+                    self._refused.clear()
                 self._refused.add((u.node_id, u.incarnation))
                 keys = differing_keys(self.me.fingerprint_fields, info.fingerprint_fields)
                 out.append(Refused(info.addr, u.node_id, tuple(keys) or ("fingerprint",),

@@ -48,6 +48,7 @@ from p2ptrain.proto.records import (
 )
 from p2ptrain.swarmcount import SwarmCount
 
+MAX_SEEDS = 64  # discovered addresses kept (the most recent)
 
 class Membership:
     """One node's membership protocol."""
@@ -158,7 +159,10 @@ class Membership:
         """A new address: join through it unless it is a live member already."""
         if addr == self.me.addr or self.table.leaving:
             return
-        self.seeds[addr] = None
+        self.seeds.pop(addr, None)
+        self.seeds[addr] = None  # most recent last
+        while len(self.seeds) > MAX_SEEDS:  # announcements are unauthenticated (mDNS): bound
+            del self.seeds[next(iter(self.seeds))]
         if any(m.info.addr == addr and m.live for m in self.table.members.values()):
             return
         self._sync(None, addr, msgs)

@@ -24,6 +24,7 @@ from p2ptrain.proto.records import (
     MemberInfo,
     Update,
     check_count,
+    check_epoch,
     check_node_id,
     check_text,
 )
@@ -82,7 +83,7 @@ class Header:
             raise ValueError(f"protocol version {self.version}, this node speaks "
                              f"{PROTOCOL_VERSION}")
         check_node_id(self.sender, "sender")
-        check_count(self.incarnation, "incarnation")
+        check_epoch(self.incarnation, "incarnation")
         check_count(self.samples, "samples")
         check_count(self.beat, "beat")
         check_count(self.live, "live")
@@ -222,7 +223,7 @@ class Resign(Body):
     term: int
 
     def check(self) -> None:
-        check_count(self.term, "term")
+        check_epoch(self.term, "term")
 
 
 @register(19)
@@ -235,8 +236,8 @@ class Yield(Body):
     winner_term: int
 
     def check(self) -> None:
-        check_count(self.term, "term")
-        check_count(self.winner_term, "winner_term")
+        check_epoch(self.term, "term")
+        check_epoch(self.winner_term, "winner_term")
 
 
 def _check_listing(members: tuple[Update, ...], samples: dict[str, int]) -> None:

@@ -109,6 +109,10 @@ class Node:
                                      average_timeout=config.average_timeout,
                                      chunk_elems=config.chunk_elems)
         self.phase = JOINING if config.min_peers > 0 else TRAINING
+        # set by the driver while the replica is about to be replaced (the join-time fetch of
+        # the leader's checkpoint): averaging requests are declined, so no peer is pulled
+        # toward weights this node is about to drop
+        self.hold = False
         self.started = float(now)
         self.outstanding: int | None = None  # step number of the RunStep in flight
         self.loss: float | None = None  # training loss of the last applied step
@@ -231,7 +235,7 @@ class Node:
                                      busy=self.outstanding is not None,
                                      outbound_sender=known is not None
                                      and known[2].outbound_only, out=msgs,
-                                     decline=self.phase == JOINING)
+                                     decline=self.phase == JOINING or self.hold)
             except CodecError as exc:
                 out.append(RemoteError(event.addr, header.sender, exc.reason))
         return out
@@ -275,6 +279,13 @@ class Node:
             return
         self.outstanding = self.learner.step + 1
         actions.append(RunStep(self.outstanding))
+
+    def replica_replaced(self) -> None:
+        """The driver loaded other weights into the learner (a fetched checkpoint): forget
+        the held averaging half steps, the open exchange and the queued peer gradients, which
+        all belong to the old replica. Call it only while no gradient is being computed (a
+        RunStep the driver has not started yet is fine)."""
+        self.trainer.close()
 
     # -- status -------------------------------------------------------------------------------
 

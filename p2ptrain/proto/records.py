@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 NODE_ID_LEN = 32  # hex characters (identity.node_id_of)
 MAX_TERM = 2**53  # terms and counters stay exact in JSON
+MAX_EPOCH = 2**52  # terms and incarnations a peer may send: +1 locally never leaves the range
 MAX_TEXT = 256  # characters in an address, a device class, a fingerprint field
 
 ALIVE, SUSPECT, DEAD, LEFT, HEARD = "alive", "suspect", "dead", "left", "heard"
@@ -33,6 +34,12 @@ def is_node_id(value: object) -> bool:
 def check_node_id(value: object, what: str = "node id") -> None:
     if not is_node_id(value):
         raise ValueError(f"{what} must be {NODE_ID_LEN} lowercase hex characters")
+
+
+def check_epoch(value: object, what: str) -> None:
+    """A term or incarnation: a count that this node may still increment."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_EPOCH:
+        raise ValueError(f"{what} must be an integer in 0..2^52")
 
 
 def check_count(value: object, what: str) -> None:
@@ -108,7 +115,7 @@ class Update:
             raise ValueError(f"unknown update kind {self.kind!r}")
         check_node_id(self.node_id)
         check_node_id(self.reporter, "reporter")
-        check_count(self.incarnation, "incarnation")
+        check_epoch(self.incarnation, "incarnation")
         check_count(self.beat, "beat")
         if self.kind == ALIVE and self.info is None:
             raise ValueError("an alive update must carry the member's info")
@@ -135,7 +142,7 @@ class LeaderView:
         return (self.term, self.priority, self.capability, self.leader)
 
     def check(self) -> None:
-        check_count(self.term, "term")
+        check_epoch(self.term, "term")
         check_count(self.seq, "heartbeat seq")
         check_node_id(self.leader, "leader")
         if not math.isfinite(self.capability) or self.capability < 0:
