@@ -173,6 +173,8 @@ def _base_options() -> list[Option]:
           ("full", "fp16", "subset", "subset_fp16")),
         O("gossip.subset_fraction", float, 0.1, "share of coordinates a subset averaging "
           "exchange covers", minimum=0),
+        O("gossip.average_part", int, 1 << 21, "coordinates per averaging message: a big "
+          "model's exchange travels as parts of this size", minimum=1024),
         O("gossip.max_staleness_samples", int, 4096, "peer gradients older than this many "
           "swarm samples are dropped", minimum=0),
         O("log.format", str, "text", "progress output format", "--log-format", ("text", "json")),

@@ -197,3 +197,38 @@ def test_misuse_is_a_local_error():
     with pytest.raises(ValueError):
         av.begin(bad, 1)
     assert not av.is_open
+
+
+@pytest.mark.parametrize("mode", list(AVERAGING_MODES))
+def test_an_exchange_in_parts_preserves_the_sum_and_meets_like_one_message(mode):
+    """A big model's exchange travels as parts of a few MB, each averaged on its own: the
+    snapshot buffer is one part long, the pair's sum holds part by part while both sides
+    step, and the parts together cover exactly what one message would."""
+    part = 600  # rounds up to 768 = 3 runs of 256
+    plan = AveragingPlan.from_mode(N, mode, 0.6, part=part)
+    av_a, av_b = ParameterAverager(plan, chunk_elems=300), ParameterAverager(plan, 300)
+    assert plan.buffer_size == 768 and av_a._snap.shape == (768,)
+    xa, xb = params(1), params(2) * 2.0
+    total = xa.astype(np.float64) + xb
+    rng = np.random.default_rng(3)
+    seed = 11
+    parts = plan.parts(seed)
+    assert parts == -(-plan.covered(seed) // 768) and parts > 1
+    ranges = [plan.part_range(seed, p) for p in range(parts)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == plan.covered(seed)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    covered = 0
+    for p in range(parts):
+        m = av_a.begin(xa, seed, p)
+        request = list(av_a.messages(A_ID, 100))
+        step = (rng.standard_normal(N) * 0.01).astype(np.float32)
+        xb += step  # B steps while the part is in flight
+        total += step
+        report_b, reply = av_b.respond(xb, request, B_ID, 200, part=p)
+        report_a = av_a.finish(xa, reply)
+        assert report_a.covered == report_b.covered == m == ranges[p][1] - ranges[p][0]
+        covered += m
+    assert covered == plan.covered(seed)
+    np.testing.assert_allclose(xa.astype(np.float64) + xb, total, rtol=0, atol=2e-5)
+    with pytest.raises(ValueError):
+        plan.part_range(seed, parts)  # no part past the end

@@ -393,3 +393,23 @@ def test_training_goes_on_when_a_node_dies_and_comes_back():
     node = c.training_node(2)
     assert node.phase == "training" and node.learner.step > 5
     assert node.learner.count.total > 4 * node.learner.samples  # it adopted the swarm count
+
+
+def test_averaging_in_parts_runs_every_part_through_the_nodes():
+    """A small `average_part` splits each exchange into many messages (as a big model's
+    would): every part is requested, answered and applied, also for an outbound-only
+    initiator (its parts come back in responses), and the replicas draw together."""
+    part = 1024
+    n = MODEL.space.n_params
+    c = cluster(3, step_seconds=0.3, outbound_only=[0], network=Network(bandwidth=1e6),
+                gossip=GossipConfig(average_every=2, fanout=0, average_part=part))
+    c.run_until(12.0)
+    parts = -(-n // part)
+    for i in range(3):
+        stats = c.training_node(i).trainer.stats
+        assert stats["average_started"] >= 2, stats
+        # every exchange it started, but the last (maybe still in flight), ran all its parts
+        as_initiator = stats["average_applied"] - stats["average_answered"]
+        assert as_initiator >= parts * (stats["average_started"] - 1), (parts, stats)
+    sizes = {len(c.training_node(i).trainer.initiator._snap) for i in range(3)}
+    assert sizes == {part}  # one part of snapshot, never the whole model

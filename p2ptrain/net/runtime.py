@@ -101,6 +101,7 @@ def gossip_config(cfg: Config) -> GossipConfig:
                         average_every=cfg["gossip.average_every"],
                         averaging=cfg["gossip.averaging"],
                         subset_fraction=cfg["gossip.subset_fraction"],
+                        average_part=cfg["gossip.average_part"],
                         max_staleness_samples=cfg["gossip.max_staleness_samples"])
 
 
@@ -348,14 +349,6 @@ class Runtime:
     def _make_node(self) -> Node:
         cfg = self.cfg
         gossip = gossip_config(cfg)
-        plan = gossip.averaging_plan(self.learner.params.shape[0])
-        size = plan.capacity * (2 if plan.values == "fp16" else 4)
-        if gossip.average_every and size > 0.95 * wire.MAX_BLOB:
-            raise UserError(
-                f"the model is too large for one averaging message ({size / 2**20:.0f} MiB; "
-                f"the limit is {wire.MAX_BLOB >> 20} MiB): set gossip.averaging = "
-                f"\"subset_fp16\" with a small gossip.subset_fraction, or "
-                f"gossip.average_every = 0 (chunked exchanges are not built yet)")
         term_floor = joinflow.read_int(self.state_dir / TERM_FILE)
         seed = int.from_bytes(hashlib.sha256(
             f"{self.node_id}/{self.identity.incarnation}".encode()).digest()[:8], "big")

@@ -41,6 +41,7 @@ AVERAGING_MODES: dict[str, tuple[bool, str]] = {
     "subset_fp16": (True, "fp16"),
 }
 SUBSET_BLOCK = 256  # coordinates per run of a subset: cheap gathers, few index entries
+DEFAULT_PART = 1 << 21  # coordinates per part (8 MiB of fp32): a message of a few MB
 _MASK64 = (1 << 64) - 1
 
 
@@ -52,21 +53,24 @@ class AveragingPlan:
     fraction: float = 1.0  # share of coordinates one exchange covers; 1.0 = all
     values: str = "fp32"  # wire type of the values: "fp32" or "fp16"
     block: int = SUBSET_BLOCK  # a subset is made of runs of this many coordinates
+    part: int = DEFAULT_PART  # coordinates per part: an exchange travels as independent parts
 
     def __post_init__(self) -> None:
-        if self.n < 1 or self.block < 1 or not 0.0 < self.fraction <= 1.0:
+        if (self.n < 1 or self.block < 1 or not 0.0 < self.fraction <= 1.0
+                or self.part < 1):
             raise ValueError(f"bad averaging plan: n={self.n}, block={self.block}, "
-                             f"fraction={self.fraction}")
+                             f"fraction={self.fraction}, part={self.part}")
         if self.values not in ("fp32", "fp16"):
             raise ValueError(f"averaging values must be fp32 or fp16, not {self.values!r}")
 
     @classmethod
-    def from_mode(cls, n: int, mode: str, subset_fraction: float = 0.1) -> AveragingPlan:
+    def from_mode(cls, n: int, mode: str, subset_fraction: float = 0.1,
+                  part: int = DEFAULT_PART) -> AveragingPlan:
         if mode not in AVERAGING_MODES:
             raise ValueError(f"unknown averaging mode {mode!r}; known: "
                              f"{', '.join(AVERAGING_MODES)}")
         subset, values = AVERAGING_MODES[mode]
-        return cls(n, subset_fraction if subset else 1.0, values)
+        return cls(n, subset_fraction if subset else 1.0, values, part=part)
 
     def codec(self) -> Codec:
         return make_codec("fp16" if self.values == "fp16" else "none")
@@ -88,8 +92,38 @@ class AveragingPlan:
 
     @property
     def capacity(self) -> int:
-        """Most coordinates one exchange covers (the snapshot buffer's length)."""
+        """Most coordinates one exchange covers (all its parts together)."""
         return self.n if self.covers_all else min(self.n, self.k_blocks * self.block)
+
+    @property
+    def part_size(self) -> int:
+        """Coordinates of one part: `part` rounded up to whole runs of `block`."""
+        return -(-self.part // self.block) * self.block
+
+    @property
+    def buffer_size(self) -> int:
+        """The snapshot buffer's length: one part at most."""
+        return min(self.capacity, self.part_size)
+
+    def covered(self, seed: int) -> int:
+        """Coordinates the exchange `seed` covers (all parts)."""
+        runs = self.subset(seed)
+        if runs is None:
+            return self.n
+        starts = runs.astype(np.int64) * self.block
+        return int((np.minimum(starts + self.block, self.n) - starts).sum())
+
+    def parts(self, seed: int) -> int:
+        """How many parts the exchange `seed` travels as."""
+        return max(1, -(-self.covered(seed) // self.part_size))
+
+    def part_range(self, seed: int, part: int) -> tuple[int, int]:
+        """[lo, hi) of part `part` within the exchange's covered coordinates."""
+        m = self.covered(seed)
+        lo = part * self.part_size
+        if not 0 <= lo < max(m, 1):
+            raise ValueError(f"part {part} out of range for {m} coordinates")
+        return lo, min(m, lo + self.part_size)
 
     def subset(self, seed: int) -> np.ndarray | None:
         """Sorted indices of the runs the exchange with `seed` covers (None: everything).
@@ -156,26 +190,34 @@ class ParameterAverager:
         self.codec = plan.codec()
         self.chunk_elems = chunk_elems  # elements per chunk message
         self.max_distance = max_distance  # refuse a peer farther than this (RMS)
-        self._snap = np.zeros(plan.capacity, np.float32)  # own snapshot, then the difference
-        self._round = np.zeros(2 * min(plan.capacity, BLOCK), np.uint8)  # fp16 rounding bytes
+        self._snap = np.zeros(plan.buffer_size, np.float32)  # own snapshot, then difference
+        self._round = np.zeros(2 * min(plan.buffer_size, BLOCK), np.uint8)  # fp16 rounding
         self._seed: int | None = None  # the open exchange's seed
-        self._runs: np.ndarray | None = None  # its subset (None: all coordinates)
-        self._m = 0  # coordinates it covers
+        self._part = 0  # the open part
+        self._runs: np.ndarray | None = None  # the part's runs (None: a contiguous range)
+        self._lo = 0  # first coordinate of a contiguous part
+        self._m = 0  # coordinates the part covers
         self._generation = 0  # bumped at every begin/close: stale message iterators fail
 
     @property
     def is_open(self) -> bool:
         return self._seed is not None
 
-    def begin(self, params: np.ndarray, seed: int) -> int:
-        """Snapshot the coordinates the exchange `seed` covers (rounded as they will travel);
-        returns how many. The local steps may go on between this and `finish`."""
+    def begin(self, params: np.ndarray, seed: int, part: int = 0) -> int:
+        """Snapshot the coordinates part `part` of the exchange `seed` covers (rounded as
+        they will travel); returns how many. The local steps may go on between this and
+        `finish`. Parts are independent exchanges: each preserves the pair's sum alone."""
         self._check_params(params)
         if self.is_open:
             raise RuntimeError("an averaging exchange is already open")
         seed &= _MASK64
+        lo, hi = self.plan.part_range(seed, part)
         runs = self.plan.subset(seed)
-        m = self._gather(params, runs)
+        if runs is not None:
+            b = self.plan.block
+            runs = runs[lo // b : -(-hi // b)]
+        self._lo = lo
+        m = self._gather(params, runs, hi - lo)
         snap = self._snap[:m]
         if not all_finite(snap):
             raise ValueError("own parameters are not finite")
@@ -185,7 +227,7 @@ class ParameterAverager:
                 self.codec.encode_into(part, raw)
                 part.fill(0.0)
                 self.codec.decode_into(raw, part)
-        self._seed, self._runs, self._m = seed, runs, m
+        self._seed, self._part, self._runs, self._m = seed, part, runs, m
         self._generation += 1
         return m
 
@@ -234,17 +276,18 @@ class ParameterAverager:
             self.abort()
             raise
         diff *= np.float32(-0.5)  # now (peer - mine) / 2: exact
-        self._scatter_add(params, self._runs, diff)
+        self._scatter_add(params, self._runs, diff, self._lo)
         report = AveragingReport(peer.sender, self._seed, m, distance)
         self.abort()
         return report
 
     def respond(self, params: np.ndarray, request: PeerSnapshot | Iterable[Any],
-                sender_id: bytes, swarm_samples: int) -> tuple[AveragingReport, list[bytearray]]:
-        """The responder's whole part: snapshot with the request's seed, make the reply, apply.
-        CodecError (params untouched, nothing to send) if the request is bad."""
+                sender_id: bytes, swarm_samples: int, part: int = 0
+                ) -> tuple[AveragingReport, list[bytearray]]:
+        """The responder's whole side of one part: snapshot with the request's seed, make the
+        reply, apply. CodecError (params untouched, nothing to send) if the request is bad."""
         peer = request if isinstance(request, PeerSnapshot) else read_snapshot(request)
-        self.begin(params, peer.seed)
+        self.begin(params, peer.seed, part)
         try:
             reply = list(self.messages(sender_id, swarm_samples))
         except BaseException:
@@ -271,10 +314,11 @@ class ParameterAverager:
             return runs[:-1], self.plan.n - whole * self.plan.block
         return runs, 0
 
-    def _gather(self, params: np.ndarray, runs: np.ndarray | None) -> int:
+    def _gather(self, params: np.ndarray, runs: np.ndarray | None, length: int) -> int:
         if runs is None:
-            np.copyto(self._snap[: self.plan.n], params)
-            return self.plan.n
+            lo = self._lo
+            np.copyto(self._snap[:length], params[lo : lo + length])
+            return length
         b = self.plan.block
         whole, tail = self._split(runs)
         k = whole.shape[0]
@@ -285,9 +329,9 @@ class ParameterAverager:
         return k * b + tail
 
     def _scatter_add(self, params: np.ndarray, runs: np.ndarray | None,
-                     delta: np.ndarray) -> None:
+                     delta: np.ndarray, lo: int) -> None:
         if runs is None:
-            params += delta
+            params[lo : lo + delta.shape[0]] += delta
             return
         b = self.plan.block
         whole, tail = self._split(runs)

@@ -46,7 +46,7 @@ from p2ptrain.codecs import (
     make_codec,
     parse_message,
 )
-from p2ptrain.proto.averaging import AVERAGING_MODES, AveragingPlan
+from p2ptrain.proto.averaging import AVERAGING_MODES, DEFAULT_PART, AveragingPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,7 @@ class GossipConfig:
     average_every: int = 10  # local steps between push-pull averagings; 0 = never
     averaging: str = "full"  # exchange: "full", "fp16", "subset" or "subset_fp16"
     subset_fraction: float = 0.1  # share of coordinates a subset exchange covers
+    average_part: int = DEFAULT_PART  # coordinates per averaging message (independent parts)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "codec_params", MappingProxyType(dict(self.codec_params)))
@@ -85,6 +86,7 @@ class GossipConfig:
             "average_every": self.average_every >= 0,
             "averaging": self.averaging in AVERAGING_MODES,
             "subset_fraction": 0.0 < self.subset_fraction <= 1.0,
+            "average_part": self.average_part >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -103,7 +105,8 @@ class GossipConfig:
         return self.average_every > 0 and step > 0 and step % self.average_every == 0
 
     def averaging_plan(self, n: int) -> AveragingPlan:
-        return AveragingPlan.from_mode(n, self.averaging, self.subset_fraction)
+        return AveragingPlan.from_mode(n, self.averaging, self.subset_fraction,
+                                       self.average_part)
 
 
 class PlainEncoder:

@@ -10,8 +10,10 @@ messages (`p2ptrain.codecs` wire format: each chunk has its own header and check
 - `GradientPush`: one chunk of the sender's latest gradient, fire and forget.
 - `GradientReply`: the same, sent in the response to an outbound-only member's push: how
   gradients reach a node nobody can connect to.
-- `AverageRequest` / `AverageReply`: the two snapshots of one push-pull averaging exchange,
-  each with the sender's whole G-counter (averaging is rare, so the full counter is cheap
+- `AverageRequest` / `AverageReply`: the two snapshots of one part of a push-pull averaging
+  exchange (a big model's exchange travels as several parts of a few MB, one after the
+  other, each averaged on its own, so no side ever holds a second copy of the model), each
+  with the sender's whole G-counter (averaging is rare, so the full counter is cheap
   there; gradient pushes carry only the header's own entry). A reply with no chunks declines.
 
 `check()` refuses what no honest peer sends (negative counters, malformed counter keys, too
@@ -28,6 +30,7 @@ from p2ptrain.proto.messages import Body, register
 from p2ptrain.proto.records import check_count, check_node_id
 
 MAX_CHUNKS = 1024  # chunk messages in one averaging body
+MAX_PARTS = 1 << 16  # parts of one averaging exchange (a 128G-coordinate model at 2M each)
 MAX_COUNTER_ENTRIES = 65536  # node ids in one G-counter
 
 
@@ -37,6 +40,13 @@ def _check_counts(counts: dict[str, int]) -> None:
     for node_id, n in counts.items():
         check_node_id(node_id, "sample counter key")
         check_count(n, "sample count")
+
+
+def _check_part(part: int, parts: int) -> None:
+    check_count(part, "part")
+    check_count(parts, "parts")
+    if not part < parts <= MAX_PARTS:
+        raise ValueError(f"part {part} of {parts}: need part < parts <= {MAX_PARTS}")
 
 
 def _check_progress(step: int, loss: float) -> None:
@@ -80,12 +90,15 @@ class AverageRequest(Body):
     seed: int  # the exchange's seed: chooses the covered coordinates; every chunk carries it
     step: int  # initiator's local step when it snapshotted
     counts: dict[str, int]  # initiator's swarm sample G-counter
-    chunks: tuple[bytes, ...]  # the snapshot as codec chunk messages, in index order
+    chunks: tuple[bytes, ...]  # the part's snapshot as codec chunk messages, in index order
+    part: int = 0  # which part of the exchange (each part is averaged on its own)
+    parts: int = 1  # how many parts the exchange has
 
     def check(self) -> None:
         check_count(self.seed, "seed")
         check_count(self.step, "step")
         _check_counts(self.counts)
+        _check_part(self.part, self.parts)
         if not 1 <= len(self.chunks) <= MAX_CHUNKS:
             raise ValueError(f"an averaging request needs 1..{MAX_CHUNKS} chunks")
 
@@ -100,11 +113,14 @@ class AverageReply(Body):
     step: int
     counts: dict[str, int]
     chunks: tuple[bytes, ...]
+    part: int = 0
+    parts: int = 1
 
     def check(self) -> None:
         check_count(self.seed, "seed")
         check_count(self.step, "step")
         _check_counts(self.counts)
+        _check_part(self.part, self.parts)
         if len(self.chunks) > MAX_CHUNKS:
             raise ValueError(f"an averaging reply has at most {MAX_CHUNKS} chunks")
 

@@ -55,12 +55,8 @@ MAX_SEED = 2**53  # exchange seeds stay exact in JSON
 
 
 def covered(plan: AveragingPlan, seed: int) -> int:
-    """Coordinates the exchange `seed` covers under `plan` (what a peer's snapshot must hold)."""
-    runs = plan.subset(seed)
-    if runs is None:
-        return plan.n
-    starts = runs.astype(np.int64) * plan.block
-    return int((np.minimum(starts + plan.block, plan.n) - starts).sum())
+    """Coordinates the exchange `seed` covers under `plan`, all parts together."""
+    return plan.covered(seed)
 
 
 @dataclass(slots=True)
@@ -69,9 +65,12 @@ class Exchange:
 
     peer: str  # node id of the responder
     seed: int
-    started: float  # when the request was made
+    started: float  # when the request of the current part was made
     deadline: float  # aborted if no reply by then
-    sent: int  # bytes of snapshot sent
+    sent: int  # bytes of snapshot sent for the current part
+    part: int = 0  # the part awaiting its reply
+    parts: int = 1  # parts of the exchange
+    addr: str = ""  # where the responder accepts requests
 
 
 class GossipTrainer:
@@ -126,7 +125,12 @@ class GossipTrainer:
         if isinstance(body, AverageReply) and not body.chunks:
             return None
         snap = read_snapshot(body.chunks)
-        expected = covered(self.plan, body.seed)
+        parts = self.plan.parts(body.seed)
+        if body.parts != parts or body.part >= parts:
+            raise CodecError(f"averaging part {body.part} of {body.parts} does not match the "
+                             f"plan ({parts} parts)")
+        lo, hi = self.plan.part_range(body.seed, body.part)
+        expected = hi - lo
         if snap.sender != raw_id or snap.seed != body.seed:
             raise CodecError("averaging chunks name another sender or exchange")
         if snap.codec != self.initiator.codec or snap.length != expected:
@@ -158,7 +162,8 @@ class GossipTrainer:
         elif isinstance(body, AverageReply):
             learner.count.merge(body.counts)
             ex = self.exchange
-            if ex is None or ex.peer != sender or ex.seed != body.seed:
+            if (ex is None or ex.peer != sender or ex.seed != body.seed
+                    or ex.part != body.part):
                 self.stats["average_late"] += 1  # timed out already; nothing to undo
                 return
             self.exchange = None
@@ -169,6 +174,9 @@ class GossipTrainer:
             received = sum(len(c) for c in body.chunks)
             self.peers.observe_transfer(sender, ex.sent, received, now - ex.started, now)
             self._finish(self.initiator, parsed, busy)
+            if ex.part + 1 < ex.parts:  # the next part, from a fresh snapshot of it
+                self._send_part(now, ex.peer, ex.addr or addr, ex.seed, ex.part + 1, ex.parts,
+                                out)
 
     def _serve_latest(self, sender: str, addr: str, out: list[Out]) -> None:
         if self.latest is None:
@@ -185,11 +193,13 @@ class GossipTrainer:
         learner = self.learner
         chunks: tuple[bytes, ...] = ()
         if not decline:
-            self.responder.begin(learner.params, body.seed)  # a read: allowed while busy
+            # a read: allowed while busy
+            self.responder.begin(learner.params, body.seed, body.part)
             chunks = tuple(bytes(c) for c in self.responder.messages(self.sender,
                                                                      learner.count.total))
         out.append(Out(sender, addr, AverageReply(body.seed, learner.step,
-                                                  learner.count.as_dict(), chunks), reply=True))
+                                                  learner.count.as_dict(), chunks,
+                                                  body.part, body.parts), reply=True))
         if decline:
             self.stats["average_declined_by_us"] += 1
             return
@@ -248,18 +258,23 @@ class GossipTrainer:
 
     def _begin_average(self, now: float, partners: Sequence[tuple[str, str]],
                        out: list[Out]) -> None:
-        learner = self.learner
         addrs = dict(partners)
         (peer,) = self.peers.choose(addrs, 1, self.rng, 4 * self.plan.capacity)
         seed = int(self.rng.integers(0, MAX_SEED))
-        self.initiator.begin(learner.params, seed)
+        self._send_part(now, peer, addrs[peer], seed, 0, self.plan.parts(seed), out)
+        self.stats["average_started"] += 1
+
+    def _send_part(self, now: float, peer: str, addr: str, seed: int, part: int, parts: int,
+                   out: list[Out]) -> None:
+        """Snapshot part `part` of exchange `seed` and send it; wait for its reply."""
+        learner = self.learner
+        self.initiator.begin(learner.params, seed, part)  # a read: allowed while busy
         chunks = tuple(bytes(c) for c in self.initiator.messages(self.sender,
                                                                  learner.count.total))
         self.exchange = Exchange(peer, seed, now, now + self.average_timeout,
-                                 sum(len(c) for c in chunks))
-        out.append(Out(peer, addrs[peer], AverageRequest(seed, learner.step,
-                                                         learner.count.as_dict(), chunks)))
-        self.stats["average_started"] += 1
+                                 sum(len(c) for c in chunks), part, parts, addr)
+        out.append(Out(peer, addr, AverageRequest(seed, learner.step, learner.count.as_dict(),
+                                                  chunks, part, parts)))
 
     # -- timers -------------------------------------------------------------------------------
 
