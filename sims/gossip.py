@@ -1,0 +1,315 @@
+"""Our method in the simulator: the real protocol `Node`s (control plane, gossip training,
+learner) on the modelled fleet, with real numpy training of the proxy model.
+
+Each machine runs one `p2ptrain.proto.node.Node`. The driver performs its actions:
+- `RunStep`: the learner computes the gradient at once (real numpy, on the parameters as
+  they are then; the node writes none until the step ends) and `StepDone` is delivered after
+  the device's modelled compute time for the *charged* model -- wall time is never measured;
+- `Send`: handed to the network at its charged size (charge.py; the proxy's exact wire size
+  when nothing is rescaled), a reply marked as such (it passes NAT), a gradient push marked
+  droppable (the outbox's in-flight limit); it is delivered as the same `Envelope` object;
+- `SaveCheckpoint`: the leader's replica and swarm counter are kept as "the latest
+  checkpoint"; a machine that returns after a failure first fetches it (its charged size,
+  over the network, from the leader that wrote it) and then starts a new incarnation from
+  it, as the runtime's join flow does;
+- the node is woken at `next_deadline()` with `Tick`.
+Discovery: every node is told the addresses of the machines at its own site (mDNS); nodes at
+a NATed site are also given the wired machines of the other sites as static seeds.
+
+Churn (the scenario's failure schedule, a leader kill, partitions between sites) is applied
+at its times. Held-out loss of every live replica is measured every `eval_every` simulated
+seconds, with the consensus distance. Pure: no clock, no sockets, seeds only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from p2ptrain.proto.events import (
+    Discovered,
+    Finished,
+    LeaderChanged,
+    Leave,
+    Received,
+    RunStep,
+    SaveCheckpoint,
+    Send,
+    StepDone,
+    Tick,
+)
+from p2ptrain.proto.gossip import GossipConfig
+from p2ptrain.proto.gossipmsg import GOSSIP_BODIES, GradientPush
+from p2ptrain.proto.node import Node, NodeConfig
+from p2ptrain.proto.trainharness import consensus_distance
+from p2ptrain.swarmcount import SwarmCount
+from sims.engine import Timer, stream_seed
+from sims.fleet import Member, World, proto_config
+from sims.metrics import Recorder
+from sims.scenario import Method
+
+CHECKPOINT_OVERHEAD = 4096  # bytes of manifest and headers around a checkpoint's weights
+
+
+def split_params(params: dict) -> tuple[GossipConfig, NodeConfig]:
+    """A method's knobs: GossipConfig fields and NodeConfig fields (others are errors)."""
+    gossip_fields = {f.name for f in dataclasses.fields(GossipConfig)}
+    node_fields = {f.name for f in dataclasses.fields(NodeConfig)} - {"gossip"}
+    unknown = sorted(set(params) - gossip_fields - node_fields)
+    if unknown:
+        raise ValueError(f"gossip method: unknown knob(s) {', '.join(unknown)}")
+    gossip = GossipConfig(**{k: v for k, v in params.items() if k in gossip_fields})
+    node = NodeConfig(gossip=gossip, **{k: v for k, v in params.items() if k in node_fields})
+    return gossip, node
+
+
+@dataclass(eq=False)
+class Machine:
+    member: Member
+    node: Node | None = None
+    incarnation: int = 0
+    generation: int = 0
+    term_floor: int = 0
+    wake: Timer | None = None
+    wake_at: float | None = None
+    rng: random.Random | None = None  # compute-time jitter of this machine
+
+
+@dataclass
+class Checkpoint:
+    time: float
+    writer: int  # machine index
+    params: np.ndarray
+    counts: dict[str, int]
+
+
+class GossipSim:
+    """One gossip run; `run()` returns the result row."""
+
+    def __init__(self, world: World, method: Method):
+        self.world = world
+        self.engine = world.engine
+        self.network = world.network
+        self.training = world.training
+        self.method = method
+        self.proto = proto_config(world.scenario)
+        _, self.node_config = split_params(method.params)
+        self.recorder = Recorder(method.name, method.kind, method.params,
+                                 world.scenario.target_loss)
+        self.machines = [Machine(m) for m in world.members]
+        self.checkpoint: Checkpoint | None = None
+        self.fetches = 0
+        self.finished = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def seeds(self, m: Member) -> list[str]:
+        local = [o.addr for o in self.world.members if o.site == m.site and o is not m]
+        if m.outbound_only:
+            local += [o.addr for o in self.world.members
+                      if o.site != m.site and o.medium == "wired" and not o.outbound_only]
+        return local
+
+    def start(self, i: int) -> None:
+        """Start machine i (a new incarnation), from the latest checkpoint if there is one."""
+        mach = self.machines[i]
+        m = mach.member
+        mach.incarnation += 1
+        mach.generation += 1
+        learner = self.training.learner(m.node_id, m.batch)
+        ckpt = self.checkpoint
+        if ckpt is not None:
+            np.copyto(learner.params, ckpt.params)
+            learner.count = SwarmCount(ckpt.counts)
+        seed = stream_seed(self.world.seed, f"node/{i}/{mach.incarnation}")
+        mach.rng = random.Random(seed ^ 1)
+        mach.node = Node(self.proto, self.world.member_info(m), learner, self.node_config,
+                         incarnation=mach.incarnation, now=self.engine.now,
+                         rng=random.Random(seed), term_floor=mach.term_floor)
+        for addr in self.seeds(m):
+            self.handle(i, Discovered(addr))
+        self.reschedule(i)
+
+    def crash(self, i: int) -> None:
+        mach = self.machines[i]
+        if mach.node is None:
+            return
+        mach.node = None
+        mach.generation += 1
+        mach.wake_at = None
+        if mach.wake is not None:
+            mach.wake.cancel()
+
+    def come_back(self, i: int) -> None:
+        """A failed machine returns: fetch the latest checkpoint, then start."""
+        mach = self.machines[i]
+        if mach.node is not None:
+            return
+        ckpt = self.checkpoint
+        source = ckpt.writer if ckpt is not None else None
+        if source is None or self.machines[source].node is None or source == i:
+            self.start(i)
+            return
+        size = self.world.charged.params * 4 + CHECKPOINT_OVERHEAD
+        generation = mach.generation
+        self.fetches += 1
+        self.recorder.sent("checkpoint", size)
+        ok = self.network.send(source, i, size, lambda: self._fetched(i, generation),
+                               reply=True, bulk=True)
+        if not ok:
+            self.start(i)
+
+    def _fetched(self, i: int, generation: int) -> None:
+        mach = self.machines[i]
+        if mach.node is None and mach.generation == generation:
+            self.start(i)
+
+    # -- the node's events and actions ---------------------------------------------------
+
+    def handle(self, i: int, event) -> None:
+        mach = self.machines[i]
+        node = mach.node
+        actions = node.handle(self.engine.now, event)
+        for action in actions:
+            kind = type(action)
+            if kind is Send:
+                self.send(i, action)
+            elif kind is RunStep:
+                self.run_step(i, action.step)
+            elif kind is SaveCheckpoint:
+                self.checkpoint = Checkpoint(self.engine.now, i, node.learner.params.copy(),
+                                             node.learner.count.as_dict())
+            elif kind is LeaderChanged:
+                if action.leader == node.node_id:
+                    mach.term_floor = max(mach.term_floor, action.term)
+            elif kind is Finished:
+                self.recorder.extra.setdefault("first_finished_at", self.engine.now)
+        if mach.node is node:
+            self.reschedule(i)
+
+    def reschedule(self, i: int) -> None:
+        mach = self.machines[i]
+        deadline = mach.node.next_deadline()
+        if deadline is None or deadline == mach.wake_at:
+            return
+        if mach.wake is not None:
+            mach.wake.cancel()
+        mach.wake_at = deadline
+        mach.wake = self.engine.at(max(deadline, self.engine.now), self._wake, i,
+                                   mach.generation)
+
+    def _wake(self, i: int, generation: int) -> None:
+        mach = self.machines[i]
+        if mach.node is not None and mach.generation == generation:
+            mach.wake_at = None
+            mach.wake = None
+            self.handle(i, Tick())
+
+    def run_step(self, i: int, step: int) -> None:
+        mach = self.machines[i]
+        m = mach.member
+        loss = mach.node.learner.compute_gradient()
+        seconds = m.device.step_seconds(m.batch, self.world.charged.flops_per_sample, mach.rng)
+        self.recorder.samples += m.batch
+        self.engine.after(seconds, self._step_done, i, mach.generation, step, loss)
+
+    def _step_done(self, i: int, generation: int, step: int, loss: float) -> None:
+        mach = self.machines[i]
+        if mach.node is None or mach.generation != generation:
+            return
+        self.recorder.steps += 1
+        self.handle(i, StepDone(step, loss))
+
+    def send(self, i: int, send: Send) -> None:
+        dst = self.world.addr_index.get(send.addr)
+        if dst is None:
+            return
+        envelope = send.envelope
+        body = envelope.body
+        size = self.world.bytes.size(envelope)
+        kind = type(body).__name__
+        self.recorder.sent(kind, size)
+        self.network.send(i, dst, size, lambda: self.deliver(dst, i, envelope),
+                          reply=send.reply, droppable=type(body) is GradientPush,
+                          bulk=isinstance(body, GOSSIP_BODIES))
+
+    def deliver(self, dst: int, src: int, envelope) -> None:
+        if self.machines[dst].node is None:
+            return
+        self.handle(dst, Received(self.world.members[src].addr, envelope))
+
+    # -- measurement ----------------------------------------------------------------------
+
+    def live(self) -> list[Machine]:
+        return [m for m in self.machines if m.node is not None and m.node.phase != "joining"]
+
+    def evaluate(self) -> None:
+        live = self.live()
+        losses = [self.training.heldout_loss(m.node.learner.params) for m in live]
+        distance = consensus_distance([m.node.learner.params for m in live]) if live else None
+        self.recorder.point(self.engine.now, losses, distance)
+        if live and all(m.node.phase != "training" for m in live):
+            self.recorder.ended_at = self.engine.now
+            self.engine.stop()
+            return
+        self.engine.after(self.world.scenario.eval_every, self.evaluate)
+
+    def leader_kill(self, back_after: float | None) -> None:
+        leaders = [m for m in self.machines if m.node is not None and m.node.is_leader]
+        if not leaders:
+            self.recorder.extra["leader_kill"] = "no leader at the time"
+            return
+        victim = max(leaders, key=lambda m: (m.node.control.term, m.member.index))
+        i = victim.member.index
+        self.recorder.extra["leader_killed"] = {"index": i, "at": self.engine.now,
+                                                "device": victim.member.device.name}
+        self.crash(i)
+        if back_after is not None:
+            self.engine.after(back_after, self.come_back, i)
+
+    # -- running --------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        world, scenario, engine = self.world, self.world.scenario, self.engine
+        for i in range(len(self.machines)):
+            self.start(i)
+        for i, spans in world.failures().items():
+            for fail, back in spans:
+                engine.at(fail, self.crash, i)
+                engine.at(back, self.come_back, i)
+        churn = scenario.churn
+        if churn.leader_kill is not None:
+            engine.at(churn.leader_kill, self.leader_kill, churn.leader_return)
+        for p in churn.partitions:
+            engine.at(p.at, self.network.partition, world.site_groups(p.groups))
+            engine.at(p.heal, self.network.heal)
+        engine.at(0.0, self.evaluate)
+        engine.run_until(scenario.duration)
+        until = engine.now
+        if self.recorder.ended_at is None:
+            self.evaluate_final()
+        for mach in self.machines:
+            if mach.node is not None:
+                mach.node.handle(engine.now, Leave())
+        self.recorder.extra.update(self.summary())
+        return self.recorder.result(world, until)
+
+    def evaluate_final(self) -> None:
+        if not self.recorder.curve or self.recorder.curve[-1][0] != self.engine.now:
+            live = self.live()
+            self.recorder.point(self.engine.now,
+                                [self.training.heldout_loss(m.node.learner.params) for m in live],
+                                consensus_distance([m.node.learner.params for m in live])
+                                if live else None)
+
+    def summary(self) -> dict:
+        stats: dict[str, int] = {}
+        for mach in self.machines:
+            if mach.node is not None:
+                for k, v in mach.node.trainer.stats.items():
+                    stats[k] = stats.get(k, 0) + v
+        return {"gossip_stats": dict(sorted(stats.items())), "checkpoint_fetches": self.fetches,
+                "incarnations": sum(m.incarnation for m in self.machines)}

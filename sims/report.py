@@ -1,0 +1,132 @@
+"""Reports of a scenario's results: the Markdown table and the PNG plots.
+
+Training scenarios get one row per method: simulated time to the target held-out loss, final
+loss (mean over live replicas, worst in brackets), samples per simulated second, bytes sent
+per machine (median / max) and per step, the busiest link and its utilisation, and the
+consensus distance (RMS distance of the replicas to their mean). Traffic-only sweeps get one
+row per (parameters, machines, method). Plots need matplotlib (the `plot` extra); without it
+they are skipped with a note. This file reads results and writes files, nothing else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _num(x: Any, fmt: str = "{:.3g}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+def _bytes(x: Any) -> str:
+    if x is None:
+        return "–"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def _time(x: Any) -> str:
+    return "not reached" if x is None else f"{x:.0f} s" if x >= 10 else f"{x:.1f} s"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    if results.get("mode") == "traffic":
+        return traffic_table(results)
+    target = results.get("target_loss")
+    lines = [f"Scenario `{results['scenario']}`, seed {results['seed']}: target held-out "
+             f"loss {target} nats/char, at most {results['duration']:g} simulated s.", "",
+             "| method | time to target | final loss (worst) | samples/s | bytes/node median "
+             "/ max | bytes/node/step | busiest link (utilisation) | consensus distance |",
+             "|---|---:|---:|---:|---:|---:|---|---:|"]
+    for r in results["methods"]:
+        final = (f"{r['final_loss']:.3f} ({r['final_worst_loss']:.3f})"
+                 if r.get("final_loss") is not None else "–")
+        lines.append(
+            f"| {r['name']} | {_time(r.get('time_to_target'))} | {final} | "
+            f"{_num(r.get('samples_per_second'), '{:.0f}')} | "
+            f"{_bytes(r.get('bytes_per_node_median'))} / {_bytes(r.get('bytes_per_node_max'))} | "
+            f"{_bytes(r.get('bytes_per_node_step'))} | {r.get('busiest_link', '–')} "
+            f"({_num(r.get('busiest_utilisation'), '{:.0%}')}) | "
+            f"{_num(r.get('consensus_distance'), '{:.2g}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def traffic_table(results: dict[str, Any]) -> str:
+    lines = [f"Scenario `{results['scenario']}` (traffic only), seed {results['seed']}, "
+             f"{results['duration']:g} simulated s per point.", "",
+             "| params | machines | method | step s | samples/s | bytes/node median / max | "
+             "busiest link (utilisation) | coordinator link | delivered |",
+             "|---:|---:|---|---:|---:|---:|---|---:|---:|"]
+    for r in results["points"]:
+        delivered = r.get("pushes_delivered_fraction")
+        coord = r.get("coordinator_link_utilisation")
+        lines.append(
+            f"| {r['model_params']:.3g} | {r['nodes']} | {r['name']} | "
+            f"{_num(r.get('step_seconds'))} | {_num(r.get('throughput'), '{:.3g}')} | "
+            f"{_bytes(r.get('bytes_per_node_median'))} / {_bytes(r.get('bytes_per_node_max'))} | "
+            f"{r.get('busiest_link')} ({_num(r.get('busiest_utilisation'), '{:.0%}')}) | "
+            f"{_num(coord, '{:.0%}')} | {_num(delivered, '{:.0%}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, Any], out: Path) -> list[str]:
+    """Write the PNGs into `out`; returns notes (e.g. matplotlib missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["plots skipped: matplotlib is not installed (pip install 'p2ptrain[plot]')"]
+    name = results["scenario"]
+    written = []
+    if results.get("mode") == "traffic":
+        points = results["points"]
+        for key, label, fname, log in (
+                ("throughput", "samples per simulated second", "throughput", True),
+                ("bytes_per_node_median", "bytes sent per machine (median)", "bytes", True),
+                ("busiest_utilisation", "busiest link utilisation", "utilisation", False)):
+            fig, ax = plt.subplots(figsize=(9.6, 4.4))
+            series: dict[tuple, list] = {}
+            for r in points:
+                series.setdefault((r["name"], r["model_params"]), []).append(r)
+            for (method, params), rows in series.items():
+                rows = sorted(rows, key=lambda r: r["nodes"])
+                ax.plot([r["nodes"] for r in rows], [r.get(key) or 0 for r in rows],
+                        marker="o", label=f"{method}, {params:.3g} params")
+            ax.set_xscale("log")
+            if log:
+                ax.set_yscale("log")
+            ax.set_xlabel("machines N")
+            ax.set_ylabel(label)
+            ax.set_title(f"{name}: {label} vs N")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+            fig.tight_layout()
+            path = out / f"{name}-{fname}.png"
+            fig.savefig(path, dpi=110, bbox_inches="tight")
+            plt.close(fig)
+            written.append(path.name)
+        return [f"plots: {', '.join(written)}"]
+    fig, ax = plt.subplots(figsize=(9.6, 4.4))
+    for r in results["methods"]:
+        pts = [(t, loss) for t, loss, *_ in r["curve"] if loss is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=r["name"])
+    if results.get("target_loss") is not None:
+        target = results["target_loss"]
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
+        lows = [loss for r in results["methods"] for _, loss, *_ in r["curve"] if loss]
+        ax.set_ylim(min(lows + [target]) - 0.1, target + 1.0)  # the race near the target
+    ax.set_xlabel("simulated seconds")
+    ax.set_ylabel("held-out loss, nats/char (mean over replicas)")
+    ax.set_title(f"{name}: loss vs simulated time")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    path = out / f"{name}-loss.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return [f"plots: {path.name}"]

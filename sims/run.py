@@ -1,0 +1,101 @@
+"""Running a scenario: every method (or, in traffic-only mode, every point of the sweep) in
+its own world with the same seed, then results.json, the Markdown table and the plots.
+
+Methods are independent, so they may run in parallel processes (`jobs`); results are put
+back in the scenario's order, so the output does not depend on `jobs`. results.json holds
+no wall-clock figure (those go to stdout and run.log), so the same seed gives the same
+bytes. Pure apart from writing the output directory.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sims import report, traffic
+from sims.allreduce import RingSim, SoloSim
+from sims.coordinator import CoordinatorSim
+from sims.fleet import Training, World
+from sims.gossip import GossipSim
+from sims.metrics import sig
+from sims.scenario import Method, Scenario
+
+SIMULATORS = {"gossip": GossipSim, "coordinator": CoordinatorSim, "allreduce": RingSim,
+              "solo": SoloSim}
+
+
+def run_method(scenario: Scenario, method: Method, seed: int) -> dict[str, Any]:
+    """One method of a training scenario, in a fresh world."""
+    training = Training(scenario)
+    world = World(scenario, seed, training)
+    return SIMULATORS[method.kind](world, method).run()
+
+
+def fleet_summary(scenario: Scenario, seed: int) -> dict[str, Any]:
+    """The machines as the methods see them (batches and step times of the charged model)."""
+    training = Training(scenario) if scenario.mode == "train" else None
+    world = World(scenario, seed, training)
+    groups: dict[tuple, dict[str, Any]] = {}
+    for m in world.members:
+        key = (m.device.name, m.site, m.medium)
+        row = groups.setdefault(key, {
+            "device": m.device.name, "site": m.site, "medium": m.medium, "count": 0,
+            "batch": m.batch, "accum": m.accum, "outbound_only": m.outbound_only,
+            "step_seconds": sig(m.device.step_seconds(m.batch, world.charged.flops_per_sample)),
+            "matmul_gflops": m.device.matmul_gflops,
+            "nic_mbps": sig(m.device.nic_bytes_per_second(m.medium) * 8 / 1e6)})
+        row["count"] += 1
+    charged = world.charged
+    out = {"machines": len(world.members), "groups": list(groups.values()),
+           "charged_model": {"name": charged.name, "params": charged.params,
+                             "flops_per_sample": sig(charged.flops_per_sample)},
+           "sites": [{"name": s.name, "uplink": s.uplink.kind, "up_mbps": s.uplink.up_mbps,
+                      "down_mbps": s.uplink.down_mbps, "cgnat": s.uplink.cgnat}
+                     for s in scenario.sites]}
+    if training is not None:
+        out["proxy_model"] = {"name": training.size.name, "arch": training.model.arch(),
+                              "params": training.size.params}
+    return out
+
+
+def _pool_map(fn, tasks: list[tuple], jobs: int) -> list:
+    if jobs <= 1 or len(tasks) <= 1:
+        return [fn(*t) for t in tasks]
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
+        futures = [pool.submit(fn, *t) for t in tasks]
+        return [f.result() for f in futures]
+
+
+def run_scenario(scenario: Scenario, seed: int | None = None,
+                 jobs: int | None = None) -> dict[str, Any]:
+    """All methods (or the sweep) of `scenario`; the plain data of results.json."""
+    seed = scenario.seed if seed is None else seed
+    jobs = scenario.jobs if jobs is None else jobs
+    head = {"scenario": scenario.name, "description": scenario.description, "seed": seed,
+            "mode": scenario.mode, "target_loss": scenario.target_loss,
+            "duration": scenario.duration}
+    if scenario.mode == "traffic":
+        tasks = [(scenario, point, seed) for point in traffic.sweep_points(scenario)]
+        rows = _pool_map(traffic.run_point, tasks, jobs)
+        return {**head, "points": rows}
+    head["fleet"] = fleet_summary(scenario, seed)
+    tasks = [(scenario, method, seed) for method in scenario.methods]
+    return {**head, "methods": _pool_map(run_method, tasks, jobs)}
+
+
+def dumps(results: dict[str, Any]) -> str:
+    """The canonical text of results.json."""
+    return json.dumps(results, indent=1, sort_keys=True, allow_nan=False) + "\n"
+
+
+def write_outputs(results: dict[str, Any], out: Path, plots: bool = True) -> list[str]:
+    """Write results.json, table.md and (if matplotlib is there) the plots; returns notes."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(dumps(results))
+    (out / "table.md").write_text(report.markdown(results))
+    notes: list[str] = []
+    if plots:
+        notes += report.plots(results, out)
+    return notes
