@@ -38,6 +38,7 @@ import aiohttp
 from aiohttp import web
 
 from p2ptrain.config import Config, swarm_options
+from p2ptrain.fsutil import atomic_write_bytes
 from p2ptrain.identity import load_or_create
 from p2ptrain.net import joinflow
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
@@ -310,7 +311,7 @@ class Runtime:
 
     def _leader_changed(self, action: LeaderChanged) -> None:
         if action.leader == self.node_id:
-            (self.state_dir / TERM_FILE).write_text(f"{action.term}\n")
+            atomic_write_bytes(self.state_dir / TERM_FILE, f"{action.term}\n".encode())
             self.reporter.info(f"leading the swarm (term {action.term})", event="leader",
                                leader=action.leader, term=action.term)
             self.saver.save(action.term, reason="new leader")
