@@ -467,8 +467,9 @@ class Runtime:
                      self.loop.create_task(joinflow.progress_loop(self)),
                      self.loop.create_task(self.joining.run())]
             await self._stop.wait()
-            for task in tasks:
-                task.cancel()
+            for task in [*tasks, self.joining.task]:
+                if task is not None:
+                    task.cancel()
             await self._shutdown()
         finally:
             for s in (signal.SIGINT, signal.SIGTERM):
