@@ -114,7 +114,7 @@ def _consensus(tmp_path, **env: str) -> float:
         ports = free_ports(4)
         addrs = [f"127.0.0.1:{p}" for p in ports]
         nodes = [lab.start(f"n{i}", ports[i], [a for a in addrs if a != addrs[i]],
-                           "--steps", "600", env=lab.env(**env)) for i in range(4)]
+                           "--duration", "10", env=lab.env(**env)) for i in range(4)]
         for p in nodes:
             p.popen.wait(240)
         assert [p.popen.returncode for p in nodes] == [0] * 4, [p.output()[-2000:]
