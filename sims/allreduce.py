@@ -22,6 +22,7 @@ Pure: virtual time, seeds only.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from sims.scenario import Method
 HEADER_BYTES = 256
 
 
-class _Synchronous:
+class _Synchronous(ABC):
     """Shared by both: one parameter vector, evaluation, failures."""
 
     def __init__(self, world: World, method: Method, knobs: set[str]):
@@ -63,13 +64,7 @@ class _Synchronous:
 
     def run(self) -> dict:
         world, engine = self.world, self.engine
-        for i, spans in world.failures().items():
-            for fail, back in spans:
-                engine.at(fail, self.fail, i)
-                engine.at(back, self.back, i)
-        for p in world.scenario.churn.partitions:
-            engine.at(p.at, self.network.partition, world.site_groups(p.groups))
-            engine.at(p.heal, self.network.heal)
+        world.schedule_churn(self.fail, self.back)  # no leader to kill
         engine.at(0.0, self.evaluate)
         engine.at(0.0, self.step)
         engine.run_until(world.scenario.duration)
@@ -85,8 +80,9 @@ class _Synchronous:
         self.recorder.steps += 1
         self.recorder.applied_samples += samples
 
+    @abstractmethod
     def step(self) -> None:
-        raise NotImplementedError
+        """Start the next synchronous step (each method says how)."""
 
 
 class RingSim(_Synchronous):

@@ -254,16 +254,8 @@ class CoordinatorSim:
         for w in self.workers:
             self.start_worker(w)
         engine.after(self.checkpoint_every, self._checkpoint, self.ps_generation)
-        for i, spans in world.failures().items():
-            for fail, back in spans:
-                engine.at(fail, self.stop_worker, self.workers[i])
-                engine.at(back, self._back, self.workers[i])
-        churn = scenario.churn
-        if churn.leader_kill is not None:
-            engine.at(churn.leader_kill, self.kill, churn.leader_return)
-        for p in churn.partitions:
-            engine.at(p.at, self.network.partition, world.site_groups(p.groups))
-            engine.at(p.heal, self.network.heal)
+        world.schedule_churn(lambda i: self.stop_worker(self.workers[i]),
+                             lambda i: self._back(self.workers[i]), self.kill)
         engine.at(0.0, self.evaluate)
         engine.run_until(scenario.duration)
         curve = self.recorder.curve

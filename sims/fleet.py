@@ -174,6 +174,21 @@ class World:
                                             self.scenario.duration)
         return out
 
+    def schedule_churn(self, fail, back, kill=None) -> None:
+        """Put the scenario's churn on the engine: `fail(i)` and `back(i)` at every machine's
+        failure and return, `kill(return_after)` at the leader kill (if the method has a
+        leader), and the partitions with their heals."""
+        engine, churn = self.engine, self.scenario.churn
+        for i, spans in self.failures().items():
+            for fail_at, back_at in spans:
+                engine.at(fail_at, fail, i)
+                engine.at(back_at, back, i)
+        if kill is not None and churn.leader_kill is not None:
+            engine.at(churn.leader_kill, kill, churn.leader_return)
+        for p in churn.partitions:
+            engine.at(p.at, self.network.partition, self.site_groups(p.groups))
+            engine.at(p.heal, self.network.heal)
+
     def site_groups(self, sides: tuple[tuple[str, ...], ...]) -> list[list[int]]:
         """Partition groups (node indexes) from sides given as site names."""
         return [[m.index for m in self.members if m.site in side] for side in sides]

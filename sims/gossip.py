@@ -276,16 +276,7 @@ class GossipSim:
         world, scenario, engine = self.world, self.world.scenario, self.engine
         for i in range(len(self.machines)):
             self.start(i)
-        for i, spans in world.failures().items():
-            for fail, back in spans:
-                engine.at(fail, self.crash, i)
-                engine.at(back, self.come_back, i)
-        churn = scenario.churn
-        if churn.leader_kill is not None:
-            engine.at(churn.leader_kill, self.leader_kill, churn.leader_return)
-        for p in churn.partitions:
-            engine.at(p.at, self.network.partition, world.site_groups(p.groups))
-            engine.at(p.heal, self.network.heal)
+        world.schedule_churn(self.crash, self.come_back, self.leader_kill)
         engine.at(0.0, self.evaluate)
         engine.run_until(scenario.duration)
         until = engine.now

@@ -174,7 +174,7 @@ def test_good_message_decodes():
 
 def test_refusals_of_framing():
     refused(GOOD[:50], "too short")
-    refused(b"XXXX" + GOOD[4:], "magic")
+    refused(b"NOPE" + GOOD[4:], "magic")
     refused(with_field(GOOD, 4, "<B", 2), "version 2")
     bad = bytearray(GOOD)
     bad[HEADER_SIZE + 3] ^= 1

@@ -27,13 +27,10 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -45,6 +42,7 @@ import yaml
 from p2ptrain.config import NON_OPTION_ENV, OPTIONS
 from p2ptrain.swarm import Swarm, new_swarm, parse_token
 from tests.conftest import REPO
+from tests.swarmlab import free_ports, wait_for
 
 DOCKER = REPO / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"
@@ -544,26 +542,6 @@ if args[:1] == ["run"] and "init" in args:
 
 # ---- the container's entry path, without Docker -----------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = check()
-            if value:
-                return value
-        except (OSError, ValueError, KeyError):
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.1)
-
-
 def local_argv(argv: list[str]) -> list[str]:
     """The image's command line on this machine: its `p2ptrain` and `python` are the
     test environment's."""
@@ -585,7 +563,7 @@ def test_container_entry_path_serves_health_and_stops_on_sigterm(tmp_path: Path)
     healthcheck = local_argv(healthcheck_exec(final)[1:])
     base = {k: v for k, v in os.environ.items() if not k.startswith("P2PTRAIN_")}
     image_env = stage_env(final, base)
-    port, dead_port = free_port(), free_port()
+    port, dead_port = free_ports(1)[0], free_ports(1)[0]
     env = {**base, **image_env,
            "OPENBLAS_NUM_THREADS": "1",
            "P2PTRAIN_STATE_DIR": str(tmp_path / "data"),

@@ -93,7 +93,7 @@ def test_frame_header_defects():
     env = Envelope(header(), Ping(1, B))
     doc = _doc(env)
     assert wire.decode(_frame(1, doc)) == env
-    _reject(b"XXXX" + wire.encode(env)[4:], "magic")
+    _reject(b"NOPE" + wire.encode(env)[4:], "magic")
     _reject(_frame(1, doc, version=2), "frame version")
     _reject(_frame(1, doc, flags=1), "flags")
     _reject(_frame(199, doc), "unknown message type")
