@@ -12,7 +12,7 @@ sizes for P elements (`total_encoded_size`), plus a header.
   to (fire and forget; dropped beyond two in flight to one peer, as the runtime's outbox);
   every `average_every` steps it opens a push-pull averaging exchange with one random peer
   (both directions carry the snapshot the averaging plan covers: full, fp16 or a subset),
-  given up after `average_timeout`. Nobody waits on the network.
+  given up after `average_timeout` (the runtime's 90 s). Nobody waits on the network.
 - coordinator: every machine but the coordinator's host is a worker that pulls the weights,
   computes, pushes its gradient and gets the next weights in the reply; the coordinator's
   update costs CPU time as in coordinator.py. Workers wait on the network.
@@ -29,6 +29,8 @@ from typing import Any
 
 from p2ptrain.codecs import make_codec
 from p2ptrain.proto.averaging import AveragingPlan
+from p2ptrain.proto.gossip import GossipConfig
+from p2ptrain.proto.node import NodeConfig
 from sims.charge import ModelSize, vector_bytes
 from sims.fleet import World
 from sims.metrics import Recorder, sig
@@ -89,14 +91,16 @@ class GossipTraffic:
         self.world, self.engine, self.network = world, world.engine, world.network
         self.recorder = Recorder(method.name, method.kind, p, None)
         n = world.charged.params
-        codec = make_codec(p.get("codec", "topk"), **p.get("codec_params", {"fraction": 0.01}))
-        self.fanout = int(p.get("fanout", 2))
+        base = GossipConfig()  # unset knobs: the protocol's defaults, as gossip.py runs
+        codec = make_codec(p.get("codec", base.codec),
+                           **p.get("codec_params", dict(base.codec_params)))
+        self.fanout = int(p.get("fanout", base.fanout))
         self.push_bytes = vector_bytes(codec, n) + HEADER_BYTES
-        plan = AveragingPlan.from_mode(n, p.get("averaging", "full"),
-                                       float(p.get("subset_fraction", 0.1)))
+        plan = AveragingPlan.from_mode(n, p.get("averaging", base.averaging),
+                                       float(p.get("subset_fraction", base.subset_fraction)))
         self.average_bytes = vector_bytes(plan.codec(), plan.capacity) + HEADER_BYTES
-        self.average_every = int(p.get("average_every", 10))
-        self.average_timeout = float(p.get("average_timeout", 5.0))
+        self.average_every = int(p.get("average_every", base.average_every))
+        self.average_timeout = float(p.get("average_timeout", NodeConfig().average_timeout))
         self.rng = self.engine.rng("traffic-peers")
         self.steps = [0] * len(world.members)
         self.open: dict[int, int] = {}  # machine -> id of its open averaging exchange

@@ -153,9 +153,9 @@ X = np.random.default_rng(2).standard_normal(2500).astype(np.float32)
 TOPK = make_codec("topk", fraction=0.02, values="fp32")
 GOOD = bytes(encode(TOPK, X)[1])  # chunk 1 of 3: offset 1000, length 1000
 K = TOPK.k(1000)
-COUNTS_AT = HEADER_SIZE  # one uint32 count (1000 positions < 65536)
-OFFSETS_AT = HEADER_SIZE + 4
-VALUES_AT = OFFSETS_AT + 2 * K
+VALUES_AT = HEADER_SIZE  # K fp32 values, then the Elias-Fano positions
+LOW_AT = VALUES_AT + 4 * K  # K x 5 low bits (1000 / 20 = 50 per position): 13 bytes
+BITMAP_AT = LOW_AT + 13  # K + (999 >> 5) = 51 bitmap bits: 7 bytes
 
 
 def refused(msg, match: str) -> None:
@@ -166,10 +166,14 @@ def refused(msg, match: str) -> None:
     assert not out.any()
 
 
-def test_good_message_decodes():
+def decode_good() -> np.ndarray:
     out = np.zeros_like(X)
     decode_message(GOOD, out)
-    assert np.count_nonzero(out) == K
+    return out[1000:2000]
+
+
+def test_good_message_decodes():
+    assert np.count_nonzero(decode_good()) == K
 
 
 def test_refusals_of_framing():
@@ -198,12 +202,29 @@ def test_refusals_of_header_fields():
     refused(with_field(GOOD, 88, "<Q", 7), "payload length")
 
 
+def with_positions(msg: bytes, highs, lows) -> bytearray:
+    """GOOD with its coded positions replaced by these high parts and low bits (5 each)."""
+    low = np.array([(v >> b) & 1 for v in lows for b in range(5)], np.uint8)
+    bitmap = np.zeros(51, np.uint8)
+    bitmap[np.asarray(highs) + np.arange(len(highs))] = 1
+    out = bytearray(msg)
+    out[LOW_AT:BITMAP_AT] = np.packbits(low, bitorder="little").tobytes()
+    out[BITMAP_AT:BITMAP_AT + 7] = np.packbits(bitmap, bitorder="little").tobytes()
+    return reseal(out)
+
+
 def test_refusals_of_topk_payloads():
-    refused(with_field(GOOD, COUNTS_AT, "<I", K + 1), "counts sum")
-    first, second = struct.unpack_from("<HH", GOOD, OFFSETS_AT)
-    refused(with_field(GOOD, OFFSETS_AT, "<HH", second, first), "increasing")
-    refused(with_field(GOOD, OFFSETS_AT + 2, "<H", first), "increasing")
-    refused(with_field(GOOD, VALUES_AT - 2, "<H", 1000), "out of range")
+    pos = np.flatnonzero(decode_good())
+    highs, lows = list(pos >> 5), list(pos & 31)
+    assert bytes(with_positions(GOOD, highs, lows)) == GOOD  # the layout is as described
+    refused(with_positions(GOOD, highs[:-1] + [31], lows[:-1] + [8]), "out of range")  # 1000
+    refused(with_positions(GOOD, highs[:2] + highs[1:-1], lows[:2] + lows[1:-1]), "increasing")
+    refused(with_positions(GOOD, highs[1:] + highs[-1:], lows[1:] + [0]), "increasing")
+    missing = bytearray(GOOD)
+    missing[BITMAP_AT] &= missing[BITMAP_AT] - 1  # clear the lowest set bit: k - 1 entries
+    refused(reseal(missing), "holds 19 entries")
+    refused(with_field(GOOD, BITMAP_AT + 6, "<B", GOOD[BITMAP_AT + 6] | 0x80), "padding")
+    refused(with_field(GOOD, LOW_AT + 12, "<B", GOOD[LOW_AT + 12] | 0x80), "padding")
     refused(with_field(GOOD, VALUES_AT, "<f", float("inf")), "non-finite")
     refused(with_field(GOOD, VALUES_AT + 4, "<f", float("nan")), "non-finite")
     out = np.zeros_like(X)

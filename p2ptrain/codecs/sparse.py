@@ -4,16 +4,16 @@
 (every s-th element for an odd s, from an offset set by the seed), the elements at or above it
 become candidates, and exactly k are chosen among them, as in Deep Gradient Compression; the
 sample only sets how much work the exact step does, so the result is the exact top-k (ties go
-to the lower index) either way. Positions travel as per-65536-block counts (uint32) plus uint16
-offsets within the block, so the payload size is a function of n and k only:
-4*ceil(n/65536) + k*(2 + value bytes).
+to the lower index) either way. The values travel first, then the positions, Elias-Fano coded
+(positions.py: about 2 + log2(n/k) bits each), so the payload size is a function of n and k
+only: k * value bytes + positions.coded_size(n, k).
 
 `randomk` keeps a seeded stratified subset: chunk split into k strata of near-equal length, one
 position drawn in each. The decoder regenerates the positions from the seed in the message
 header, so only the values travel. Optional unbiased scaling (x stratum length) is applied on
 decode; off by default (scaled values put spikes into Adam's moments).
 
-This file owns index selection, index coding and value packing for these two codecs. Apart from
+This file owns index selection and value packing for these two codecs. Apart from
 `exact=True` and the rare fallback to it, it allocates O(k) plus one sub-block and a byte per
 element of per-thread scratch (and O(candidates) when many values tie at the threshold), never
 reads the clock or global random state, and never writes the destination before the positions
@@ -35,9 +35,7 @@ from p2ptrain.codecs.base import (
     VALUE_TYPES,
     Codec,
     CodecError,
-    ceil_div,
     check_decoded_scale,
-    sections,
 )
 from p2ptrain.codecs.kernels import (
     BLOCK,
@@ -53,8 +51,8 @@ from p2ptrain.codecs.kernels import (
     scratch,
     splitmix64,
 )
+from p2ptrain.codecs.positions import coded_size, decode_positions, encode_positions
 
-POSITION_BLOCK = 1 << 16  # positions per index block: offsets inside one fit a uint16
 _PPB = 1_000_000_000  # fractions travel as integer parts per billion
 _MIN_SAMPLE = 4096  # smallest threshold sample; at least 32/fraction are drawn
 _CANDIDATES = 1.5  # aim the sampled threshold at this many times k candidates
@@ -163,8 +161,8 @@ def _top_among(candidates: np.ndarray | None, magnitude: np.ndarray, k: int) -> 
 
 @dataclass(frozen=True, slots=True)
 class TopK(Codec):
-    """The k = round(fraction * n) largest magnitudes, positions block-coded, values in
-    `values` (2 bytes for fp16/bf16: 4 bytes per kept value plus 4 per 65536 positions)."""
+    """The k = round(fraction * n) largest magnitudes: values in `values` (2 bytes for
+    fp16/bf16), then positions Elias-Fano coded (1.07 bytes each at 1%)."""
 
     fraction: float = 0.01  # share of elements kept, in (0, 1]
     values: str = "fp16"  # wire type of the kept values: "fp16", "bf16" or "fp32"
@@ -198,7 +196,8 @@ class TopK(Codec):
         return kept_count(n, self._ppb)
 
     def encoded_size(self, n: int) -> int:
-        return 4 * ceil_div(n, POSITION_BLOCK) + self.k(n) * (2 + VALUE_TYPES[self.values][1])
+        k = self.k(n)
+        return k * VALUE_TYPES[self.values][1] + coded_size(n, k)
 
     def select(self, x: np.ndarray, seed: int = 0) -> np.ndarray:
         """Sorted positions of the k largest magnitudes of chunk x (what `encode` keeps)."""
@@ -223,42 +222,18 @@ class TopK(Codec):
         return _top_among(candidates, magnitude, k)
 
     def _encode_into(self, x: np.ndarray, dst: np.ndarray, seed: int) -> None:
-        n, k = x.shape[0], self.k(x.shape[0])
-        counts, offsets, vals = sections(
-            dst,
-            (np.uint32, ceil_div(n, POSITION_BLOCK)),
-            (np.uint16, k),
-            (np.uint8, k * VALUE_TYPES[self.values][1]),
-        )
+        k = self.k(x.shape[0])
+        split = k * VALUE_TYPES[self.values][1]
         positions = self.select(x, seed)
-        np.copyto(counts, np.bincount(positions >> 16, minlength=counts.shape[0]), "unsafe")
-        np.copyto(offsets, positions & 0xFFFF, "unsafe")
-        _pack_values(x[positions], vals, self.values)
-
-    def positions(self, data: np.ndarray, n: int) -> np.ndarray:
-        """The validated, strictly increasing positions in a payload for a chunk of n."""
-        k = self.k(n)
-        counts, offsets = sections(
-            data[: 4 * ceil_div(n, POSITION_BLOCK) + 2 * k],
-            (np.uint32, ceil_div(n, POSITION_BLOCK)),
-            (np.uint16, k),
-        )
-        total = int(counts.sum(dtype=np.uint64))
-        if total != k:
-            raise CodecError(f"topk: block counts sum to {total}, expected k={k}")
-        bases = np.arange(counts.shape[0], dtype=np.int64) << 16
-        pos = np.repeat(bases, counts.astype(np.intp)) + offsets
-        if k and pos[-1] >= n:
-            raise CodecError(f"topk: position {int(pos[-1])} out of range for {n} elements")
-        if k > 1 and not (pos[1:] > pos[:-1]).all():
-            raise CodecError("topk: positions not strictly increasing")
-        return pos
+        _pack_values(x[positions], dst[:split], self.values)
+        encode_positions(positions, x.shape[0], dst[split:])
 
     def _parse(self, data: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Validated (positions, float32 values) of a payload for a chunk of n."""
-        pos = self.positions(data, n)
-        start = 4 * ceil_div(n, POSITION_BLOCK) + 2 * pos.shape[0]
-        return pos, _unpack_values(data[start:], self.values, "topk")
+        k = self.k(n)
+        split = k * VALUE_TYPES[self.values][1]
+        pos = decode_positions(data[split:], n, k)
+        return pos, _unpack_values(data[:split], self.values, "topk")
 
     def _decode_into(self, data: np.ndarray, out: np.ndarray, weight: float, seed: int) -> None:
         pos, vals = self._parse(data, out.shape[0])

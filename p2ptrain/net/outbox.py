@@ -33,8 +33,8 @@ DROPPABLE = "/v1/gossip"  # gradient pushes: fire and forget, dropped when the p
 MAX_BULK_IN_FLIGHT = 2  # bulk requests to one peer at once; more are dropped
 CONTROL_TIMEOUT = 10.0  # s for a control message round trip
 BULK_TIMEOUT = 300.0  # s for a gradient push (slow uplinks)
-# s for an averaging exchange: shorter than the node's own give-up time (runtime.py), so a
-# reply never lands after the initiator has abandoned the exchange
+# s for an averaging exchange: shorter than the node's own give-up time (90 s,
+# NodeConfig.average_timeout), so a reply never lands after the exchange was abandoned
 AVERAGE_TIMEOUT = 80.0
 CONNECT_TIMEOUT = 5.0  # s to open a connection
 

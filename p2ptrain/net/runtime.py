@@ -74,8 +74,6 @@ from p2ptrain.solo import UserError, _fault_hook, prepare
 from p2ptrain.swarm import Swarm
 
 TERM_FILE = "term"  # highest term this node led: its term_floor after a restart
-AVERAGE_GIVE_UP = 90.0  # s before an averaging exchange without a reply is abandoned (longer
-# than the request's own timeout in outbox.py: a slow uplink may take a minute per snapshot)
 
 
 def guess_address(bind: str, toward: str | None = None) -> str:
@@ -355,8 +353,7 @@ class Runtime:
             f"{self.node_id}/{self.identity.incarnation}".encode()).digest()[:8], "big")
         return Node(self._proto_config(), self.me, self.learner,
                     NodeConfig(gossip=gossip, min_peers=cfg["node.min_peers"],
-                               join_timeout=cfg["node.join_timeout"],
-                               average_timeout=AVERAGE_GIVE_UP),
+                               join_timeout=cfg["node.join_timeout"]),
                     incarnation=self.identity.incarnation, now=self.now(),
                     rng=random.Random(seed), term_floor=term_floor)
 

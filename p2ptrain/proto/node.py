@@ -81,7 +81,9 @@ class NodeConfig:
     """Knobs of a training node beyond the control plane's `ProtoConfig`."""
 
     gossip: GossipConfig = field(default_factory=GossipConfig)  # gradient gossip, averaging
-    average_timeout: float = 5.0  # s; an averaging exchange without a reply is given up
+    # s; an averaging exchange without a reply is given up. Long: on a slow uplink a
+    # snapshot takes a minute, and a reply abandoned after its bytes were sent is waste.
+    average_timeout: float = 90.0
     min_peers: int = 0  # alive peers to know before the first step ("joining" until then)
     join_timeout: float = 10.0  # s; train anyway after this long with fewer peers
     chunk_elems: int = DEFAULT_CHUNK  # elements per codec chunk message
