@@ -161,21 +161,22 @@ def _base_options() -> list[Option]:
           "local (tests)", None, ("lan", "wan", "local")),
         O("net.open_routes", bool, True, "serve /v1/status, /metrics and the dashboard "
           "without authentication (read-only)"),
-        O("gossip.codec", str, "topk", "gradient codec", None,
+        O("gossip.codec", str, "topk", "gradient codec (when gossip.fanout > 0)", None,
           ("none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd")),
         O("gossip.fraction", float, 0.01, "share of coordinates topk/randomk send",
           minimum=0),
-        O("gossip.fanout", int, 2, "peers each gradient is pushed to; 0: only averaging",
-          minimum=0),
-        O("gossip.average_every", int, 10, "local steps between parameter averagings; "
+        O("gossip.fanout", int, 0, "peers each gradient is pushed to; 0 (the default, best in "
+          "the simulator): parameter averaging only", minimum=0),
+        O("gossip.average_every", int, 5, "local steps between parameter averagings; "
           "0: never", minimum=0),
-        O("gossip.averaging", str, "full", "averaging exchange", None,
+        O("gossip.averaging", str, "subset_fp16", "averaging exchange: all coordinates or a "
+          "seeded subset, in fp32 or fp16", None,
           ("full", "fp16", "subset", "subset_fp16")),
         O("gossip.subset_fraction", float, 0.1, "share of coordinates a subset averaging "
           "exchange covers", minimum=0),
         O("gossip.average_part", int, 1 << 21, "coordinates per averaging message: a big "
           "model's exchange travels as parts of this size", minimum=1024),
-        O("gossip.max_staleness_samples", int, 4096, "peer gradients older than this many "
+        O("gossip.max_staleness_samples", int, 32768, "peer gradients older than this many "
           "swarm samples are dropped", minimum=0),
         O("log.format", str, "text", "progress output format", "--log-format", ("text", "json")),
         O("log.every_seconds", float, 5.0, "progress line interval", minimum=0.1),

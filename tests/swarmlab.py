@@ -45,6 +45,7 @@ every_seconds = 2
 [gossip]
 codec = "topk"
 fraction = 0.1
+fanout = 2  # gradient gossip on (the default is averaging only): the tests watch gradients
 """
 
 

@@ -67,11 +67,13 @@ def reseal(raw: bytearray) -> bytes:
 
 
 def test_config_defaults_and_validation():
-    cfg = GossipConfig()
-    assert cfg.fanout == 2 and cfg.codec == "topk" and cfg.codec_params["fraction"] == 0.01
+    cfg = GossipConfig()  # the simulator's choice: pure averaging, 10% fp16 every 5 steps
+    assert cfg.fanout == 0 and cfg.codec == "topk" and cfg.codec_params["fraction"] == 0.01
+    assert (cfg.averaging, cfg.subset_fraction, cfg.max_staleness_samples) == (
+        "subset_fp16", 0.1, 32768)
     assert cfg.uses_error_feedback
     assert not GossipConfig(codec="fp16", codec_params={}).uses_error_feedback
-    assert [s for s in range(1, 31) if cfg.averaging_due(s)] == [10, 20, 30]
+    assert [s for s in range(1, 31) if cfg.averaging_due(s)] == [5, 10, 15, 20, 25, 30]
     assert not any(GossipConfig(average_every=0).averaging_due(s) for s in range(50))
     for bad in (dict(fanout=-1), dict(averaging="sometimes"), dict(subset_fraction=0.0),
                 dict(codec="zip", codec_params={}), dict(queue_vectors=0)):
@@ -114,7 +116,7 @@ def test_mix_is_the_sample_weighted_average():
 
 
 def test_chunked_vectors_wait_until_whole_and_mix_with_any_codec():
-    mixer = GradientMixer(GossipConfig(**LOOSE), N)
+    mixer = GradientMixer(GossipConfig(max_staleness_samples=4096, **LOOSE), N)
     g0, g1, g2 = grad(0), grad(1), grad(2)
     a = msgs(g1, 1, 50, 4.0, chunk=300)  # 4 chunks
     b = msgs(g2, 2, 50, 12.0, "topk", chunk=256, fraction=0.1)

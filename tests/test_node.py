@@ -54,7 +54,7 @@ def learner(node_id: str, total_samples: int = 100_000) -> Learner:
 
 def cluster(n: int = 4, *, step_seconds=0.5, total_samples: int = 100_000, seed: int = 3,
             **kwargs) -> TrainingCluster:
-    gossip = kwargs.pop("gossip", GossipConfig(average_every=2))
+    gossip = kwargs.pop("gossip", GossipConfig(fanout=2, average_every=2, averaging="full"))
     config = NodeConfig(gossip=gossip, min_peers=n - 1, join_timeout=5.0)
     return TrainingCluster(n, seed, lambda i, node_id: learner(node_id, total_samples),
                            node_config=config, step_seconds=step_seconds, **kwargs)
@@ -402,7 +402,8 @@ def test_averaging_in_parts_runs_every_part_through_the_nodes():
     part = 1024
     n = MODEL.space.n_params
     c = cluster(3, step_seconds=0.3, outbound_only=[0], network=Network(bandwidth=1e6),
-                gossip=GossipConfig(average_every=2, fanout=0, average_part=part))
+                gossip=GossipConfig(average_every=2, fanout=0, averaging="full",
+                                    average_part=part))
     c.run_until(12.0)
     parts = -(-n // part)
     for i in range(3):

@@ -42,7 +42,7 @@ def test_same_seed_same_bytes(ci_results, tmp_path):
     listing = subprocess.run([sys.executable, "-m", "sims", "list"], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0
-    for name in ("ci", "seed-fleet", "churn", "scale", "codecs"):
+    for name in ("ci", "seed-fleet", "churn", "scale", "codecs", "defaults"):
         assert name in listing.stdout
 
 
@@ -89,7 +89,7 @@ TINY_TRAFFIC = {
     "sites": [{"name": "dc"}],
     "nodes": [{"device": "server", "count": 2, "site": "dc", "medium": "wired"}],
     "sweep": {"nodes": [4, 8, 32]},
-    "methods": [{"name": "gossip", "kind": "gossip"},
+    "methods": [{"name": "gossip", "kind": "gossip", "fanout": 2},
                 {"name": "coordinator", "kind": "coordinator", "pull": "fp32"}],
 }
 
