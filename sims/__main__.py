@@ -41,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "list":
-        for name in scenario.available():
+        names = scenario.available()
+        width = max((len(name) for name in names), default=0)
+        for name in names:
             sc = scenario.load(name)
-            print(f"{name:12s} {sc.mode:8s} {sc.node_count:5d} machines  {sc.description}")
+            print(f"{name:{width}s}  {sc.mode:8s} {sc.node_count:5d} machines  {sc.description}")
         return 0
     try:
         sc = scenario.load(args.scenario)
