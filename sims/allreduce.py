@@ -128,8 +128,7 @@ class RingSim(_Synchronous):
             self.grad += m.batch * learner.grad
             samples += m.batch
             rng = self.engine.rng(f"compute/{i}")
-            slowest = max(slowest, m.device.step_seconds(m.batch,
-                                                         self.world.charged.flops_per_sample, rng))
+            slowest = max(slowest, self.world.compute_seconds(m, rng))
         self.recorder.samples += samples
         self.grad *= 1.0 / samples
         loss = float(np.mean(losses))
@@ -205,7 +204,7 @@ class SoloSim(_Synchronous):
         loss = self.learner.compute_gradient()
         self.recorder.samples += m.batch
         rng = self.engine.rng("compute/solo")
-        seconds = m.device.step_seconds(m.batch, self.world.charged.flops_per_sample, rng)
+        seconds = self.world.compute_seconds(m, rng)
         self.engine.after(seconds, self._done, loss)
 
     def _done(self, loss: float) -> None:

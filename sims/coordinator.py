@@ -217,7 +217,7 @@ class CoordinatorSim:
         m = self.world.members[w.index]
         self.recorder.samples += m.batch
         rng = self.engine.rng(f"compute/{w.index}")
-        seconds = m.device.step_seconds(m.batch, self.world.charged.flops_per_sample, rng)
+        seconds = self.world.compute_seconds(m, rng)
         self.engine.after(seconds, self._computed, w, gen, loss)
 
     def _computed(self, w: Worker, gen: int, loss: float) -> None:

@@ -193,6 +193,10 @@ class World:
         """Partition groups (node indexes) from sides given as site names."""
         return [[m.index for m in self.members if m.site in side] for side in sides]
 
+    def compute_seconds(self, m: Member, rng=None) -> float:
+        """Member m's time for one step of the charged model (jittered when given an rng)."""
+        return m.device.step_seconds(m.batch, self.charged.flops_per_sample, rng)
+
     def fastest(self, wired_first: bool = True) -> Member:
         """The machine with the most FLOP/s (wired preferred): host of the coordinator."""
         return max(self.members, key=lambda m: (not m.outbound_only, m.device.flops,

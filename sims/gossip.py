@@ -212,7 +212,7 @@ class GossipSim:
         mach = self.machines[i]
         m = mach.member
         loss = mach.node.learner.compute_gradient()
-        seconds = m.device.step_seconds(m.batch, self.world.charged.flops_per_sample, mach.rng)
+        seconds = self.world.compute_seconds(m, mach.rng)
         self.recorder.samples += m.batch
         self.engine.after(seconds, self._step_done, i, mach.generation, step, loss)
 

@@ -43,7 +43,7 @@ def fleet_summary(scenario: Scenario, seed: int) -> dict[str, Any]:
         row = groups.setdefault(key, {
             "device": m.device.name, "site": m.site, "medium": m.medium, "count": 0,
             "batch": m.batch, "accum": m.accum, "outbound_only": m.outbound_only,
-            "step_seconds": sig(m.device.step_seconds(m.batch, world.charged.flops_per_sample)),
+            "step_seconds": sig(world.compute_seconds(m)),
             "matmul_gflops": m.device.matmul_gflops,
             "nic_mbps": sig(m.device.nic_bytes_per_second(m.medium) * 8 / 1e6)})
         row["count"] += 1

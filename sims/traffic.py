@@ -72,7 +72,7 @@ def run_point(scenario: Scenario, point: dict[str, Any], seed: int) -> dict[str,
     row.pop("links")
     row.update({"nodes": point["nodes"], "model_params": point["params"]})
     m = world.members[0]
-    row["step_seconds"] = sig(m.device.step_seconds(m.batch, world.charged.flops_per_sample))
+    row["step_seconds"] = sig(world.compute_seconds(m))
     row["batch"] = m.batch
     row.update(sim.figures())
     return row
@@ -114,7 +114,7 @@ class GossipTraffic:
     def step(self, i: int) -> None:
         m = self.world.members[i]
         rng = self.engine.rng(f"compute/{i}")
-        seconds = m.device.step_seconds(m.batch, self.world.charged.flops_per_sample, rng)
+        seconds = self.world.compute_seconds(m, rng)
         self.engine.after(seconds, self.done, i)
 
     def done(self, i: int) -> None:
@@ -199,7 +199,7 @@ class CoordinatorTraffic:
     def _compute(self, i: int) -> None:
         m = self.world.members[i]
         rng = self.engine.rng(f"compute/{i}")
-        seconds = m.device.step_seconds(m.batch, self.world.charged.flops_per_sample, rng)
+        seconds = self.world.compute_seconds(m, rng)
         self.engine.after(seconds, self._push, i)
 
     def _push(self, i: int) -> None:
@@ -222,7 +222,7 @@ class CoordinatorTraffic:
         link = host.tx if host.tx is not None else self.network.air[host.site.name]
         per_step = self.push_bytes + self.pull_bytes + HEADER_BYTES
         m = self.world.members[self.workers[0]] if self.workers else self.host
-        step = m.device.step_seconds(m.batch, self.world.charged.flops_per_sample)
+        step = self.world.compute_seconds(m)
         # the coordinator's link carries one pull per worker step: it saturates near
         # N* = link rate x (step + exchange time) / bytes per step
         exchange = per_step / link.rate
