@@ -41,10 +41,10 @@ from p2ptrain.proto.events import (
     StepDone,
     Tick,
 )
-from p2ptrain.proto.gossip import GossipConfig
-from p2ptrain.proto.gossipmsg import GOSSIP_BODIES, GradientPush
+from p2ptrain.proto.gossip.averaging import consensus_distance
+from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, GradientPush
 from p2ptrain.proto.node import Node, NodeConfig
-from p2ptrain.proto.trainharness import consensus_distance
 from p2ptrain.swarmcount import SwarmCount
 from sims.engine import Timer, stream_seed
 from sims.fleet import Member, World, proto_config

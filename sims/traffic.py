@@ -28,8 +28,8 @@ import math
 from typing import Any
 
 from p2ptrain.codecs import make_codec
-from p2ptrain.proto.averaging import AveragingPlan
-from p2ptrain.proto.gossip import GossipConfig
+from p2ptrain.proto.gossip.averaging import AveragingPlan
+from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.node import NodeConfig
 from sims.charge import ModelSize, vector_bytes
 from sims.fleet import World

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from p2ptrain.proto.harness import FIELDS
 from p2ptrain.proto.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -21,6 +20,7 @@ from p2ptrain.proto.messages import (
     Yield,
 )
 from p2ptrain.proto.records import LeaderView, MemberInfo, Update, fingerprint_of
+from tests.cluster.harness import FIELDS
 
 A = "a" * 32
 B = "b" * 32

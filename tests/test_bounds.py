@@ -25,8 +25,8 @@ def test_terms_and_incarnations_leave_room_for_one_more():
 
 def test_discovered_addresses_are_bounded_most_recent_kept():
     from p2ptrain.proto.config import LOCAL
-    from p2ptrain.proto.harness import Cluster
-    from p2ptrain.proto.membership import MAX_SEEDS
+    from p2ptrain.proto.membership.swim import MAX_SEEDS
+    from tests.cluster.harness import Cluster
 
     cluster = Cluster(1, 0, LOCAL)
     membership = cluster.nodes[0].machine.membership

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from p2ptrain.codecs import HEADER_SIZE, CodecError
-from p2ptrain.proto.averaging import (
+from p2ptrain.proto.gossip.averaging import (
     AVERAGING_MODES,
     AveragingPlan,
     ParameterAverager,

@@ -17,14 +17,9 @@ from p2ptrain.codecs import (
     encode_vector,
     make_codec,
 )
-from p2ptrain.proto.gossip import (
-    Arrival,
-    GossipConfig,
-    GradientMixer,
-    PlainEncoder,
-    gradient_encoder,
-)
-from p2ptrain.proto.peers import PeerTable
+from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.mixer import Arrival, GradientMixer, PlainEncoder, gradient_encoder
+from p2ptrain.proto.gossip.peers import PeerTable
 
 N = 1000
 LOOSE = dict(clip_multiple=1e3, absurd_norm_multiple=1e4)  # no clipping in weight tests

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from p2ptrain.proto.peers import (
+from p2ptrain.proto.gossip.peers import (
     DEFAULT_RTT,
     MIN_BANDWIDTH_BYTES,
     PeerStats,
@@ -113,8 +113,8 @@ def test_unmeasured_peers_get_the_median_of_the_measured():
 
 
 def test_gossip_modules_import_no_io_stack():
-    code = ("import sys\nimport p2ptrain.proto.gossip, p2ptrain.proto.averaging, "
-            "p2ptrain.proto.peers\n"
+    code = ("import sys\nimport p2ptrain.proto.gossip.mixer, p2ptrain.proto.gossip.averaging, "
+            "p2ptrain.proto.gossip.peers\n"
             "print(','.join(m for m in ('asyncio', 'aiohttp', 'zeroconf') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -30,14 +30,20 @@ from p2ptrain.proto.events import (
     StepDone,
     Tick,
 )
-from p2ptrain.proto.gossip import GossipConfig
-from p2ptrain.proto.gossipmsg import AverageReply, AverageRequest, GradientPush, GradientReply
-from p2ptrain.proto.harness import Network
+from p2ptrain.proto.gossip.averaging import consensus_distance
+from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.messages import (
+    AverageReply,
+    AverageRequest,
+    GradientPush,
+    GradientReply,
+)
+from p2ptrain.proto.gossip.trainer import Exchange
 from p2ptrain.proto.messages import TYPE_IDS, Ack, Envelope, Ping
 from p2ptrain.proto.node import Node, NodeConfig
 from p2ptrain.proto.records import DEAD, Update
-from p2ptrain.proto.trainharness import TrainingCluster, consensus_distance
-from p2ptrain.proto.training import Exchange
+from tests.cluster.harness import Network
+from tests.cluster.training import TrainingCluster
 from tests.proto_samples import A, info
 from tests.test_gossip_mixer import reseal
 

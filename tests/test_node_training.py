@@ -18,10 +18,11 @@ from p2ptrain.config import resolve
 from p2ptrain.data import load_corpus
 from p2ptrain.learner import Learner
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
-from p2ptrain.proto.gossip import GossipConfig
-from p2ptrain.proto.harness import Network
+from p2ptrain.proto.gossip.averaging import consensus_distance
+from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.node import NodeConfig
-from p2ptrain.proto.trainharness import TrainingCluster, consensus_distance
+from tests.cluster.harness import Network
+from tests.cluster.training import TrainingCluster
 
 NODES, BATCH, ROUNDS = 8, 16, 750
 TOTAL = NODES * BATCH * ROUNDS  # swarm samples of the whole run (96,000)

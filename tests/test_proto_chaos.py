@@ -1,9 +1,9 @@
 """Seeded randomized fault schedules over the in-memory cluster: crashes, restarts,
 partitions and heals, the leader crashing with its best successors, loss up to 20%,
 duplication and reordering. Every invariant of issue 4 is judged on every schedule (see
-p2ptrain/proto/schedules.py); a failing seed reproduces exactly:
+tests/cluster/schedules.py); a failing seed reproduces exactly:
 
-    python -c "from p2ptrain.proto.schedules import *; print(run_schedule(random_schedule(SEED)))"
+    python -c "from tests.cluster.schedules import *; print(run_schedule(random_schedule(SEED)))"
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from p2ptrain.proto.schedules import random_schedule, run_schedule
+from tests.cluster.schedules import random_schedule, run_schedule
 
 SCHEDULES = int(os.environ.get("P2PTRAIN_CHAOS_SCHEDULES", "1000"))
 WORKERS = 2

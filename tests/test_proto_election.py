@@ -7,10 +7,10 @@ import random
 from p2ptrain.proto.config import LOCAL
 from p2ptrain.proto.control import Control
 from p2ptrain.proto.events import LeaderChanged, Leave, Progress, Received, SaveCheckpoint, Tick
-from p2ptrain.proto.harness import Cluster, Network
 from p2ptrain.proto.messages import Claim, Envelope
-from p2ptrain.proto.monitor import Monitor
 from p2ptrain.proto.records import LeaderView, Update
+from tests.cluster.harness import Cluster, Network
+from tests.cluster.monitor import Monitor
 from tests.proto_samples import A, B, header, info
 
 

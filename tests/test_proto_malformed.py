@@ -16,7 +16,6 @@ from p2ptrain.codecs import CodecError, encode_vector, make_codec, parse_message
 from p2ptrain.proto import wire
 from p2ptrain.proto.errors import LocalProtocolError
 from p2ptrain.proto.events import Deliver, Progress, Received, RemoteError, Tick
-from p2ptrain.proto.harness import Cluster, Network
 from p2ptrain.proto.messages import (
     PROTOCOL_VERSION,
     Body,
@@ -30,6 +29,7 @@ from p2ptrain.proto.messages import (
     register,
 )
 from p2ptrain.proto.records import LeaderView, Update
+from tests.cluster.harness import Cluster, Network
 
 VECTOR = 64  # elements of the test model
 

@@ -6,12 +6,15 @@ import math
 
 import pytest
 
-from p2ptrain.proto.broadcast import BroadcastQueue
 from p2ptrain.proto.config import LAN, LOCAL, WAN
-from p2ptrain.proto.convergence import convergence_rounds, join_rounds
 from p2ptrain.proto.events import MemberDown, MemberUp, Refused
-from p2ptrain.proto.harness import FIELDS, Cluster, Network
-from p2ptrain.proto.members import MemberTable
+from p2ptrain.proto.membership.broadcast import BroadcastQueue
+from p2ptrain.proto.membership.suspicion import (
+    Suspicion,
+    expected_confirmations,
+    suspicion_timeout,
+)
+from p2ptrain.proto.membership.table import MemberTable
 from p2ptrain.proto.records import (
     ALIVE,
     DEAD,
@@ -21,7 +24,8 @@ from p2ptrain.proto.records import (
     differing_keys,
     fingerprint_of,
 )
-from p2ptrain.proto.suspicion import Suspicion, expected_confirmations, suspicion_timeout
+from tests.bench.convergence import convergence_rounds, join_rounds
+from tests.cluster.harness import FIELDS, Cluster, Network
 from tests.proto_samples import A, B, C, info
 
 # -- formulas -----------------------------------------------------------------------------------
@@ -271,7 +275,7 @@ def test_a_peer_with_another_configuration_is_refused_with_the_keys_named():
 @pytest.mark.parametrize("n", [8, 16, 32, 64])
 def test_membership_converges_in_logarithmic_rounds(n):
     """Every node starts knowing one random earlier node; all know all within O(log N)
-    protocol periods (the 8..512 table: python -m p2ptrain.proto.harness rounds)."""
+    protocol periods (the 8..512 table: python -m tests.bench.convergence)."""
     rounds = convergence_rounds(n, seed=n)
     assert rounds is not None and rounds <= 2 * math.log2(n)
     joined = join_rounds(n, seed=n)

@@ -15,7 +15,7 @@ import pytest
 
 from p2ptrain.codecs import make_codec
 from p2ptrain.proto import wire
-from p2ptrain.proto.gossipmsg import GradientPush
+from p2ptrain.proto.gossip.messages import GradientPush
 from p2ptrain.proto.messages import Envelope, Header
 from sims import run, traffic
 from sims.charge import ByteCharge, vector_bytes

@@ -39,7 +39,7 @@ from p2ptrain.net.ckptserve import is_checkpoint_name
 from p2ptrain.net.fetch import FetchError, fetch_latest
 from p2ptrain.net.runtime import Runtime
 from p2ptrain.proto import wire
-from p2ptrain.proto.gossipmsg import GradientPush
+from p2ptrain.proto.gossip.messages import GradientPush
 from p2ptrain.proto.messages import (
     PROTOCOL_VERSION,
     Ack,

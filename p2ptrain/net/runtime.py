@@ -66,7 +66,7 @@ from p2ptrain.proto.events import (
     StepDone,
     Tick,
 )
-from p2ptrain.proto.gossip import GossipConfig
+from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.node import Node, NodeConfig
 from p2ptrain.proto.records import MemberInfo
 from p2ptrain.report import Reporter, human_count

@@ -35,7 +35,12 @@ from p2ptrain.net.pacing import paced
 from p2ptrain.proto import messages as m
 from p2ptrain.proto import wire
 from p2ptrain.proto.errors import RemoteProtocolError
-from p2ptrain.proto.gossipmsg import AverageReply, AverageRequest, GradientPush, GradientReply
+from p2ptrain.proto.gossip.messages import (
+    AverageReply,
+    AverageRequest,
+    GradientPush,
+    GradientReply,
+)
 
 if TYPE_CHECKING:
     from p2ptrain.net.runtime import Runtime

@@ -40,7 +40,7 @@ from p2ptrain.proto.events import (
     Send,
     Tick,
 )
-from p2ptrain.proto.membership import Membership
+from p2ptrain.proto.membership.swim import Membership
 from p2ptrain.proto.messages import (
     CONTROL_BODIES,
     OPEN_BODIES,

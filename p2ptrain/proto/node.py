@@ -63,11 +63,11 @@ from p2ptrain.proto.events import (
     StepDone,
     Tick,
 )
-from p2ptrain.proto.gossip import GossipConfig
-from p2ptrain.proto.gossipmsg import GOSSIP_BODIES
+from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.messages import GOSSIP_BODIES
+from p2ptrain.proto.gossip.trainer import GossipTrainer
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
 from p2ptrain.proto.records import ALIVE, MemberInfo
-from p2ptrain.proto.training import GossipTrainer
 
 if TYPE_CHECKING:
     from p2ptrain.learner import Learner

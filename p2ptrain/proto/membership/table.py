@@ -22,9 +22,10 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from p2ptrain.proto.broadcast import BroadcastQueue
 from p2ptrain.proto.config import ProtoConfig
 from p2ptrain.proto.events import Action, MemberDown, MemberUp, Refused
+from p2ptrain.proto.membership.broadcast import BroadcastQueue
+from p2ptrain.proto.membership.suspicion import Suspicion, expected_confirmations
 from p2ptrain.proto.records import (
     ALIVE,
     DEAD,
@@ -35,7 +36,6 @@ from p2ptrain.proto.records import (
     Update,
     differing_keys,
 )
-from p2ptrain.proto.suspicion import Suspicion, expected_confirmations
 
 MAX_REFUSED = 1024  # (node id, incarnation) pairs already refused and reported
 

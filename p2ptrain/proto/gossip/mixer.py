@@ -1,6 +1,5 @@
-"""Gradient gossip: the schedule's knobs (`GossipConfig`), the sender's encoder and the
-receiver's mixing of peer gradients into its own (`GradientMixer`), step 3 of DESIGN.md's
-training algorithm.
+"""The sender's gradient encoder and the receiver's mixing of peer gradients into its own
+(`GradientMixer`): step 3 of DESIGN.md's training algorithm. The knobs are in config.py.
 
 What waits between two steps: the *encoded chunk messages* of each peer gradient, not decoded
 vectors and not a running sum. A topk-1% gradient is ~4% of a float32 vector on the wire, so
@@ -29,9 +28,8 @@ import enum
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,73 +41,9 @@ from p2ptrain.codecs import (
     ErrorFeedback,
     Message,
     encode_vector,
-    make_codec,
     parse_message,
 )
-from p2ptrain.proto.averaging import AVERAGING_MODES, DEFAULT_PART, AveragingPlan
-
-
-@dataclass(frozen=True, slots=True)
-class GossipConfig:
-    """Every knob of gradient gossip and parameter averaging."""
-
-    # Defaults chosen with the simulator (docs/BENCHMARKS.md §8, scenario `defaults`): pure
-    # averaging of 10% of the coordinates in fp16 every 5 steps reached the target first on
-    # the seed fleet and under churn, on every seed, with the least traffic.
-    fanout: int = 0  # peers each gradient is pushed to; 0 = pure gossip averaging
-    codec: str = "topk"  # registry name of the gradient codec
-    codec_params: Mapping[str, Any] = field(  # keyword parameters of that codec
-        default_factory=lambda: {"fraction": 0.01})
-    error_feedback: bool = True  # keep a residual for biased codecs (topk, int8, randomk)
-    max_staleness_samples: int = 32768  # older peer gradients (in swarm samples) are dropped
-    clip_multiple: float = 3.0  # peer gradients clipped to this x the median recent norm
-    norm_window: int = 32  # recent gradient norms (own and peers') the median is taken over
-    absurd_norm_multiple: float = 1000.0  # refuse peer norms above this x the median
-    max_norm: float = 1e6  # refuse peer norms above this, whatever the median
-    max_sample_weight: float = 65536.0  # refuse gradients claiming more samples than this
-    queue_vectors: int = 16  # peer gradients waiting for the next mix, at most
-    queue_bytes: int = 256 << 20  # wire bytes of the waiting messages, at most
-    average_every: int = 5  # local steps between push-pull averagings; 0 = never
-    averaging: str = "subset_fp16"  # exchange: "full", "fp16", "subset" or "subset_fp16"
-    subset_fraction: float = 0.1  # share of coordinates a subset exchange covers
-    average_part: int = DEFAULT_PART  # coordinates per averaging message (independent parts)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "codec_params", MappingProxyType(dict(self.codec_params)))
-        checks = {
-            "fanout": self.fanout >= 0,
-            "max_staleness_samples": self.max_staleness_samples >= 0,
-            "clip_multiple": self.clip_multiple > 0,
-            "norm_window": self.norm_window >= 1,
-            "absurd_norm_multiple": self.absurd_norm_multiple >= self.clip_multiple,
-            "max_norm": self.max_norm > 0,
-            "max_sample_weight": self.max_sample_weight > 0,
-            "queue_vectors": self.queue_vectors >= 1,
-            "queue_bytes": self.queue_bytes >= 1,
-            "average_every": self.average_every >= 0,
-            "averaging": self.averaging in AVERAGING_MODES,
-            "subset_fraction": 0.0 < self.subset_fraction <= 1.0,
-            "average_part": self.average_part >= 1,
-        }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"bad gossip settings: {', '.join(bad)}")
-        self.make_codec()  # an unknown codec or bad parameters fail here, not mid-run
-
-    def make_codec(self) -> Codec:
-        return make_codec(self.codec, **self.codec_params)
-
-    @property
-    def uses_error_feedback(self) -> bool:
-        return self.error_feedback and bool(self.make_codec().biased)
-
-    def averaging_due(self, step: int) -> bool:
-        """True after local step `step` (1-based) if a push-pull averaging is due."""
-        return self.average_every > 0 and step > 0 and step % self.average_every == 0
-
-    def averaging_plan(self, n: int) -> AveragingPlan:
-        return AveragingPlan.from_mode(n, self.averaging, self.subset_fraction,
-                                       self.average_part)
+from p2ptrain.proto.gossip.config import GossipConfig
 
 
 class PlainEncoder:

@@ -23,7 +23,7 @@ allocates nothing of the model's size (one snapshot buffer, reused; sub-block te
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -343,3 +343,9 @@ class ParameterAverager:
             grid[whole[start : start + step]] += rows[start : start + step]
         if tail:
             params[self.plan.n - tail :] += delta[k * b : k * b + tail]
+
+
+def consensus_distance(replicas: Sequence[np.ndarray]) -> float:
+    """RMS distance of the replicas to their mean: sqrt(mean_i mean_j (x_ij - mean_j)^2)."""
+    stack = np.stack([r.astype(np.float64) for r in replicas])
+    return float(np.sqrt(np.mean((stack - stack.mean(axis=0)) ** 2)))

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 
 from p2ptrain.proto.config import ProtoConfig
-from p2ptrain.proto.members import Member, MemberTable
+from p2ptrain.proto.membership.table import Member, MemberTable
 from p2ptrain.proto.messages import Ack, Notify, Out, Ping, PingReq
 
 MAX_RELAYS = 1024  # indirect probes run for others at once; more requests are ignored

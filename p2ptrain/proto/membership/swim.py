@@ -23,7 +23,8 @@ import random
 
 from p2ptrain.proto.config import ProtoConfig
 from p2ptrain.proto.events import Action, Refused
-from p2ptrain.proto.members import MemberTable
+from p2ptrain.proto.membership.probe import Prober
+from p2ptrain.proto.membership.table import MemberTable
 from p2ptrain.proto.messages import (
     Ack,
     Body,
@@ -36,7 +37,6 @@ from p2ptrain.proto.messages import (
     SyncReply,
     SyncRequest,
 )
-from p2ptrain.proto.probe import Prober
 from p2ptrain.proto.records import (
     ALIVE,
     DEAD,

@@ -13,13 +13,13 @@ replies reach it, as through NAT). `crash(i)` loses the node's state but for its
 incarnation that rediscovers the others' addresses (mDNS). Virtual time advances event by
 event, waking each node at its `next_deadline()`. A simple trainer feeds `Progress` events.
 Each node's state machine is a bare `Control` unless `make_machine` builds something else
-with the same `handle`/`next_deadline` (a training Node: trainharness.py), and actions the
+with the same `handle`/`next_deadline` (a training Node: training.py), and actions the
 cluster does not perform itself go to `on_action` (a subclass runs RunStep there). With
 `Network.bandwidth` set, a message also takes its size / bandwidth to arrive.
 Observers see every delivery and every action, to check invariants as the run goes.
 
 Nothing here reads the clock or global randomness; one seed fixes the whole run. Run
-`python -m p2ptrain.proto.harness rounds` for the membership convergence table
+`python -m tests.bench.convergence` for the membership convergence table
 (convergence.py).
 """
 
@@ -64,7 +64,7 @@ class Network:
 
 
 @dataclass
-class Node:
+class Slot:
     """One machine of the cluster: its identity survives crashes, its state machine does not."""
 
     index: int
@@ -116,7 +116,7 @@ class Cluster:
         self.blocked: set[tuple[int, int]] = set()  # (from, to) links that drop everything
         outbound = set(outbound_only)
         addrs = [f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7100" for i in range(n)]
-        self.nodes: list[Node] = []
+        self.nodes: list[Slot] = []
         for i in range(n):
             info = MemberInfo(
                 node_id=f"{self.rng.getrandbits(128):032x}", addr=addrs[i],
@@ -133,7 +133,7 @@ class Cluster:
                 node_seeds = [addrs[self.rng.randrange(i)]] if i else []
             else:
                 raise ValueError(f"unknown seeding {seeds!r}")
-            node = Node(i, info, node_seeds, steps_per_second=self.rng.uniform(1.0, 20.0))
+            node = Slot(i, info, node_seeds, steps_per_second=self.rng.uniform(1.0, 20.0))
             self.nodes.append(node)
         self.addr_index = {node.info.addr: node.index for node in self.nodes}
         self.ids = {node.info.node_id: node.index for node in self.nodes}
@@ -248,7 +248,7 @@ class Cluster:
             raise ValueError(f"node {i} is down")
         return control
 
-    def on_action(self, node: Node, action: Action) -> None:
+    def on_action(self, node: Slot, action: Action) -> None:
         """Perform an action the cluster itself does not know (subclasses: RunStep...)."""
 
     def inject(self, i: int, message: Any, addr: str = "192.0.2.1:7100") -> list[Action]:
@@ -261,7 +261,7 @@ class Cluster:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, a, b, c))
 
-    def _handle(self, node: Node, event: Event, deliver_sends: bool = True) -> list[Action]:
+    def _handle(self, node: Slot, event: Event, deliver_sends: bool = True) -> list[Action]:
         actions = node.machine.handle(self.now, event)
         for obs in self.observers:
             obs.on_actions(self, node.index, event, actions)
@@ -280,13 +280,13 @@ class Cluster:
             self._reschedule(node)
         return actions
 
-    def _reschedule(self, node: Node) -> None:
+    def _reschedule(self, node: Slot) -> None:
         d = node.machine.next_deadline()
         if d is not None and d != node.wake_at:
             node.wake_at = d
             self._push(max(d, self.now), _WAKE, node.index, node.generation, d)
 
-    def _send(self, node: Node, send: Send) -> None:
+    def _send(self, node: Slot, send: Send) -> None:
         self.sent += 1
         dst = self.addr_index.get(send.addr)
         if dst is None:
@@ -335,10 +335,10 @@ class Cluster:
         self._push(self.now + dt, _TRAIN, None)
 
 
-MachineFactory = Callable[[Cluster, Node, random.Random], Any]
+MachineFactory = Callable[[Cluster, Slot, random.Random], Any]
 
 
-def _make_control(cluster: Cluster, node: Node, rng: random.Random) -> Control:
+def _make_control(cluster: Cluster, node: Slot, rng: random.Random) -> Control:
     """The default machine: a bare control plane."""
     return Control(cluster.config, node.info, incarnation=node.incarnation, now=cluster.now,
                    rng=rng, term_floor=node.term_floor)
@@ -352,16 +352,16 @@ class Observer:
     """Base for harness observers: every hook is a no-op until overridden."""
 
     def on_actions(self, cluster: Cluster, i: int, event: Event, actions: list[Action]) -> None:
-        """Node i handled `event` and returned `actions`."""
+        """Slot i handled `event` and returned `actions`."""
 
     def before_deliver(self, cluster: Cluster, i: int, payload: Any) -> None:
         """A message is about to be handed to node i."""
 
     def on_crash(self, cluster: Cluster, i: int) -> None:
-        """Node i crashed."""
+        """Slot i crashed."""
 
     def on_restart(self, cluster: Cluster, i: int) -> None:
-        """Node i started a new incarnation."""
+        """Slot i started a new incarnation."""
 
     def on_partition(self, cluster: Cluster) -> None:
         """The partition groups changed."""
@@ -374,10 +374,3 @@ def _complete(obs: Any) -> Any:
             setattr(obs, name, _noop)
     return obs
 
-
-if __name__ == "__main__":
-    import sys
-
-    from p2ptrain.proto.convergence import main
-
-    raise SystemExit(main(sys.argv[1:]))

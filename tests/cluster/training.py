@@ -25,23 +25,16 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from p2ptrain.proto import harness
 from p2ptrain.proto.config import LOCAL, ProtoConfig
 from p2ptrain.proto.events import Action, Finished, RunStep, StepDone
+from p2ptrain.proto.gossip.averaging import consensus_distance
 from p2ptrain.proto.node import Node, NodeConfig
+from tests.cluster import harness
 
 if TYPE_CHECKING:
     from p2ptrain.learner import Learner
 
 LearnerFactory = Callable[[int, str], "Learner"]  # (node index, node id) -> a fresh learner
-
-
-def consensus_distance(replicas: Sequence[np.ndarray]) -> float:
-    """RMS distance of the replicas to their mean: sqrt(mean_i mean_j (x_ij - mean_j)^2)."""
-    stack = np.stack([r.astype(np.float64) for r in replicas])
-    return float(np.sqrt(np.mean((stack - stack.mean(axis=0)) ** 2)))
 
 
 class TrainingCluster(harness.Cluster):
@@ -66,7 +59,7 @@ class TrainingCluster(harness.Cluster):
                          seeds=seeds, wire_format=wire_format, train=False,
                          observers=observers, make_machine=self._make_node)
 
-    def _make_node(self, cluster: harness.Cluster, node: harness.Node,
+    def _make_node(self, cluster: harness.Cluster, node: harness.Slot,
                    rng: random.Random) -> Node:
         learner = self.make_learner(node.index, node.info.node_id)
         return Node(self.config, node.info, learner, self.node_config,
@@ -85,7 +78,7 @@ class TrainingCluster(harness.Cluster):
 
     # -- running ------------------------------------------------------------------------------
 
-    def on_action(self, node: harness.Node, action: Action) -> None:
+    def on_action(self, node: harness.Slot, action: Action) -> None:
         if type(action) is RunStep:
             loss = node.machine.learner.compute_gradient()
             i, generation = node.index, node.generation

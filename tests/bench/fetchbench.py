@@ -1,4 +1,4 @@
-"""`python -m p2ptrain.net.fetchbench --size-mb 256`: checkpoint fetch throughput against a
+"""`python -m tests.bench.fetchbench --size-mb 256`: checkpoint fetch throughput against a
 plain aiohttp download of the same weight file, over loopback, in one process.
 
 A fresh identity saves a checkpoint of random float32 weights (about `--size-mb` MiB, with a
@@ -108,7 +108,7 @@ async def run_bench(size_mb: int, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, run the benchmark, print the figures."""
-    parser = argparse.ArgumentParser(prog="python -m p2ptrain.net.fetchbench")
+    parser = argparse.ArgumentParser(prog="python -m tests.bench.fetchbench")
     parser.add_argument("--size-mb", type=int, default=256, help="weights, MiB (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

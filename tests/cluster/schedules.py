@@ -24,9 +24,9 @@ import random
 from dataclasses import dataclass, field
 
 from p2ptrain.proto.config import LOCAL, ProtoConfig
-from p2ptrain.proto.harness import Cluster, Network
-from p2ptrain.proto.monitor import Monitor
 from p2ptrain.proto.records import DEAD, LEFT
+from tests.cluster.harness import Cluster, Network
+from tests.cluster.monitor import Monitor
 
 OPS = ("crash", "restart", "partition", "heal", "crash_leader", "loss")
 

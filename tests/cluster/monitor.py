@@ -29,9 +29,9 @@ from p2ptrain.proto.events import (
     SaveCheckpoint,
     Send,
 )
-from p2ptrain.proto.harness import Observer
 from p2ptrain.proto.messages import Envelope
 from p2ptrain.proto.records import claim_key
+from tests.cluster.harness import Observer
 
 Key = tuple[int, int, float, str]
 

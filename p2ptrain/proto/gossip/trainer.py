@@ -36,17 +36,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2ptrain.codecs import DEFAULT_CHUNK, CodecError, Message, parse_message
-from p2ptrain.proto.averaging import (
+from p2ptrain.proto.gossip.averaging import (
     AveragingPlan,
     AveragingReport,
     ParameterAverager,
     PeerSnapshot,
     read_snapshot,
 )
-from p2ptrain.proto.gossip import GossipConfig, GradientMixer, MixReport, gradient_encoder
-from p2ptrain.proto.gossipmsg import AverageReply, AverageRequest, GradientPush, GradientReply
+from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.messages import (
+    AverageReply,
+    AverageRequest,
+    GradientPush,
+    GradientReply,
+)
+from p2ptrain.proto.gossip.mixer import GradientMixer, MixReport, gradient_encoder
+from p2ptrain.proto.gossip.peers import PeerTable
 from p2ptrain.proto.messages import Body, Out
-from p2ptrain.proto.peers import PeerTable
 
 if TYPE_CHECKING:
     from p2ptrain.learner import Learner

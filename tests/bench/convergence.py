@@ -1,6 +1,6 @@
 """Membership convergence, measured in protocol periods ("gossip rounds") on the harness.
 
-Two measures, as a table for docs/BENCHMARKS.md (`python -m p2ptrain.proto.harness rounds
+Two measures, as a table for docs/BENCHMARKS.md (`python -m tests.bench.convergence
 [N ...] [--seeds K]`, LAN preset, no loss):
 - cold start: every node starts at once knowing one random earlier node (a random tree of
   introductions); rounds until every node knows every other as live;
@@ -17,7 +17,7 @@ import sys
 
 from p2ptrain.proto.config import LAN, ProtoConfig
 from p2ptrain.proto.events import Action, Event
-from p2ptrain.proto.harness import Cluster
+from tests.cluster.harness import Cluster
 
 
 class _KnownCounter:
@@ -102,11 +102,10 @@ def join_rounds(n: int, seed: int, config: ProtoConfig | None = None,
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] != "rounds":
-        print("usage: python -m p2ptrain.proto.harness rounds [N ...] [--seeds K]",
-              file=sys.stderr)
+    if any(a in ("-h", "--help") for a in argv):
+        print("usage: python -m tests.bench.convergence [N ...] [--seeds K]", file=sys.stderr)
         return 2
-    args = argv[1:]
+    args = list(argv)
     repeats = 3
     if "--seeds" in args:
         k = args.index("--seeds")

@@ -1,0 +1,103 @@
+"""Every knob of gradient gossip and parameter averaging (`GossipConfig`): the `[gossip]`
+section of a node's TOML, a simulator method's gossip knobs, and the schedule's formulas.
+
+Each field declared with `option(...)` is a configuration option `gossip.<field>` with its
+default and help line here and nowhere else (p2ptrain.config builds the option table from it).
+Pure: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from p2ptrain.codecs import Codec, make_codec
+from p2ptrain.options import option
+from p2ptrain.proto.gossip.averaging import AVERAGING_MODES, DEFAULT_PART, AveragingPlan
+
+CODECS = ("none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd")
+FRACTION_CODECS = ("topk", "randomk")  # codecs that send a share of the coordinates
+
+
+@dataclass(frozen=True, slots=True)
+class GossipConfig:
+    """Every knob of gradient gossip and parameter averaging."""
+
+    # Defaults chosen with the simulator (docs/BENCHMARKS.md §8, scenario `defaults`): pure
+    # averaging of 10% of the coordinates in fp16 every 5 steps reached the target first on
+    # the seed fleet and under churn, on every seed, with the least traffic.
+    codec: str = option("topk", "gradient codec (when gossip.fanout > 0)", choices=CODECS)
+    fraction: float = option(0.01, "share of coordinates topk/randomk send", minimum=0)
+    fanout: int = option(0, "peers each gradient is pushed to; 0 (the default, best in the "
+                         "simulator): parameter averaging only", minimum=0)
+    average_every: int = option(5, "local steps between parameter averagings; 0: never",
+                                minimum=0)
+    averaging: str = option("subset_fp16", "averaging exchange: all coordinates or a seeded "
+                            "subset, in fp32 or fp16", choices=tuple(AVERAGING_MODES))
+    subset_fraction: float = option(0.1, "share of coordinates a subset averaging exchange "
+                                    "covers", minimum=0)
+    average_part: int = option(DEFAULT_PART, "coordinates per averaging message: a big "
+                               "model's exchange travels as parts of this size", minimum=1024)
+    max_staleness_samples: int = option(32768, "peer gradients older than this many swarm "
+                                        "samples are dropped", minimum=0)
+    error_feedback: bool = option(True, "keep a residual for biased codecs (topk, int8, "
+                                  "randomk)")
+    clip_multiple: float = option(3.0, "peer gradients are clipped to this many times the "
+                                  "median recent norm", minimum=0)
+    norm_window: int = option(32, "recent gradient norms (own and peers') the median is "
+                              "taken over", minimum=1)
+    absurd_norm_multiple: float = option(1000.0, "peer gradients above this many times the "
+                                         "median norm are refused", minimum=0)
+    max_norm: float = option(1e6, "peer gradients above this norm are refused, whatever the "
+                             "median", minimum=0)
+    max_sample_weight: float = option(65536.0, "peer gradients claiming more samples than "
+                                      "this are refused", minimum=0)
+    queue_vectors: int = option(16, "peer gradients waiting for the next mix, at most",
+                                minimum=1)
+    queue_bytes: int = option(256 << 20, "wire bytes of the peer gradients waiting, at most",
+                              minimum=1)
+    # keyword parameters of the codec beyond `fraction` (e.g. {"levels": 16} for qsgd); not an
+    # option of a node's TOML, a simulator scenario may set it
+    codec_params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        params = {"fraction": self.fraction} if self.codec in FRACTION_CODECS else {}
+        object.__setattr__(self, "codec_params",
+                           MappingProxyType({**params, **dict(self.codec_params)}))
+        checks = {
+            "fanout": self.fanout >= 0,
+            "max_staleness_samples": self.max_staleness_samples >= 0,
+            "clip_multiple": self.clip_multiple > 0,
+            "norm_window": self.norm_window >= 1,
+            "absurd_norm_multiple": self.absurd_norm_multiple >= self.clip_multiple,
+            "max_norm": self.max_norm > 0,
+            "max_sample_weight": self.max_sample_weight > 0,
+            "queue_vectors": self.queue_vectors >= 1,
+            "queue_bytes": self.queue_bytes >= 1,
+            "average_every": self.average_every >= 0,
+            "averaging": self.averaging in AVERAGING_MODES,
+            "subset_fraction": 0.0 < self.subset_fraction <= 1.0,
+            "average_part": self.average_part >= 1,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"bad gossip settings: {', '.join(bad)}")
+        self.make_codec()  # an unknown codec or bad parameters fail here, not mid-run
+
+    def make_codec(self) -> Codec:
+        """The gradient codec with its parameters (`fraction` plus `codec_params`)."""
+        return make_codec(self.codec, **self.codec_params)
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        return self.error_feedback and bool(self.make_codec().biased)
+
+    def averaging_due(self, step: int) -> bool:
+        """True after local step `step` (1-based) if a push-pull averaging is due."""
+        return self.average_every > 0 and step > 0 and step % self.average_every == 0
+
+    def averaging_plan(self, n: int) -> AveragingPlan:
+        return AveragingPlan.from_mode(n, self.averaging, self.subset_fraction,
+                                       self.average_part)
