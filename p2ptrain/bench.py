@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from p2ptrain.config import Config
+from p2ptrain.config import Config, settings_of
 from p2ptrain.data import load_corpus
 from p2ptrain.hw import matmul_gflops
 from p2ptrain.learner import Learner
@@ -19,9 +19,10 @@ from p2ptrain.models import build_model
 
 def run_model_bench(cfg: Config, batch: int, seconds: float,
                     progress: Callable[[str], None] | None = None) -> dict:
-    model = build_model(cfg["model.name"], cfg.model_config())
-    corpus = load_corpus(cfg["data.path"], cfg["data.holdout_fraction"], model.ctx_len + 2)
-    learner = Learner(model, "bench", cfg.section("train"), corpus, batch, 1, 1)
+    settings = settings_of(cfg)
+    model = build_model(settings.model_name, settings.model)
+    corpus = load_corpus(settings.data.path, settings.data.holdout_fraction, model.ctx_len + 2)
+    learner = Learner(model, "bench", settings.train, corpus, batch, 1, 1)
     if progress:
         progress(f"measuring {model.name} training for {seconds:g}s ...")
     for _ in range(2):  # warm-up: first-touch allocations, BLAS thread start

@@ -17,10 +17,24 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from p2ptrain.models import MODELS
+from p2ptrain.options import option_meta
+from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.node import NodeConfig
+from p2ptrain.settings import (
+    SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    HostConfig,
+    LogConfig,
+    NetConfig,
+    Settings,
+    SwarmConfig,
+    TrainConfig,
+)
 
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
@@ -93,94 +107,18 @@ class Option:
         return value
 
 
-def _base_options() -> list[Option]:
-    O = Option
-    return [
-        O("model.name", str, "rwkv", "built-in model to train", "--model", tuple(MODELS)),
-        O("data.path", str, "", "text file, directory of text files or .npy tokens; "
-          "empty: the built-in Tiny Shakespeare", "--data"),
-        O("data.holdout_fraction", float, 0.1, "tail of the corpus held out for evaluation",
-          minimum=0.0),
-        O("train.batch", int, 0, "samples per step; 0: chosen from the hardware", "--batch",
-          None, 0),
-        O("train.accum", int, 0, "micro-batches per step; 0: chosen from memory", None, None, 0),
-        O("train.lr", float, 4e-3, "peak learning rate", "--lr", None, 0),
-        O("train.min_lr_ratio", float, 0.1, "cosine floor as a fraction of the peak", minimum=0),
-        O("train.warmup_samples", int, 1600, "samples of linear warm-up", minimum=0),
-        O("train.total_samples", int, 200_000,
-          "swarm samples of the whole run: the schedule's length; the run ends there", minimum=1),
-        O("train.weight_decay", float, 0.01, "decoupled weight decay on matrices", minimum=0),
-        O("train.beta1", float, 0.9, "Adam first-moment decay", minimum=0),
-        O("train.beta2", float, 0.99, "Adam second-moment decay", minimum=0),
-        O("train.grad_clip", float, 1.0, "global gradient-norm clip; 0: off", minimum=0),
-        O("train.seed", int, 0, "seed of the initial weights (the same on every node) and of "
-          "the data order", "--seed", None, 0),
-        O("train.steps", int, 0, "stop after this many local steps; 0: no limit", "--steps",
-          None, 0),
-        O("train.duration", float, 0.0, "stop after this many seconds; 0: no limit",
-          "--duration", None, 0),
-        O("train.target_step_seconds", float, 0.25,
-          "step time the automatic batch size aims at", minimum=0.01),
-        O("eval.every_seconds", float, 30.0, "held-out evaluation interval; 0: only at the end",
-          minimum=0),
-        O("eval.windows", int, 256, "held-out windows per evaluation", minimum=1),
-        O("checkpoint.every_seconds", float, 120.0, "checkpoint interval; 0: off", minimum=0),
-        O("checkpoint.every_steps", int, 0, "also checkpoint every N steps; 0: off", minimum=0),
-        O("checkpoint.keep", int, 3, "checkpoints kept on disk", minimum=1),
-        O("node.state_dir", str, "~/.p2ptrain", "identity and checkpoints of this node",
-          "--state-dir"),
-        O("node.grace_seconds", float, 20.0, "time to stop cleanly after SIGINT/SIGTERM",
-          minimum=1),
-        O("node.alone", bool, False, "train alone: no HTTP server, no discovery, no peers",
-          "--alone"),
-        O("node.priority", int, 0, "election priority: the live member with the highest "
-          "leads (ties: capability score, then node id)", "--priority"),
-        O("node.min_peers", int, 1, "peers to find before training starts (or after "
-          "node.join_timeout seconds, alone)", minimum=0),
-        O("node.join_timeout", float, 10.0, "seconds to wait for node.min_peers and for the "
-          "leader's checkpoint before training from the local state", minimum=0),
-        O("swarm.name", str, "", "swarm name (from `p2ptrain init`; empty: the demo swarm)"),
-        O("swarm.key_file", str, "", "file holding the swarm key (relative to the config "
-          "file's directory)"),
-        O("swarm.token", str, "", "join token from `p2ptrain init` (secret: prefer "
-          "--token-file)", "--token"),
-        O("swarm.token_file", str, "", "file holding the join token (e.g. a Docker secret)",
-          "--token-file"),
-        O("net.port", int, 7100, "TCP port of this node's HTTP API", "--port", None, 0),
-        O("net.bind", str, "0.0.0.0", "address the HTTP API listens on", "--bind"),
-        O("net.advertise", str, "", "address peers should use to reach this node "
-          "(empty: the first non-loopback address)", "--advertise"),
-        O("net.peers", str, "", "static seed peers, HOST:PORT separated by commas; a DNS "
-          "name stands for all its addresses", "--peer"),
-        O("net.mdns", bool, True, "find peers on the LAN by mDNS"),
-        O("net.outbound_only", bool, False, "this node cannot accept connections (NAT, "
-          "firewall): it starts every exchange and never leads", "--outbound-only"),
-        O("net.max_upload_mbps", float, 0.0, "cap on this node's upload, Mbit/s; 0: none",
-          "--max-upload-mbps", None, 0),
-        O("net.timing", str, "lan", "protocol timing preset: lan, wan (Starlink, internet) or "
-          "local (tests)", None, ("lan", "wan", "local")),
-        O("net.open_routes", bool, True, "serve /v1/status, /metrics and the dashboard "
-          "without authentication (read-only)"),
-        O("gossip.codec", str, "topk", "gradient codec (when gossip.fanout > 0)", None,
-          ("none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd")),
-        O("gossip.fraction", float, 0.01, "share of coordinates topk/randomk send",
-          minimum=0),
-        O("gossip.fanout", int, 0, "peers each gradient is pushed to; 0 (the default, best in "
-          "the simulator): parameter averaging only", minimum=0),
-        O("gossip.average_every", int, 5, "local steps between parameter averagings; "
-          "0: never", minimum=0),
-        O("gossip.averaging", str, "subset_fp16", "averaging exchange: all coordinates or a "
-          "seeded subset, in fp32 or fp16", None,
-          ("full", "fp16", "subset", "subset_fp16")),
-        O("gossip.subset_fraction", float, 0.1, "share of coordinates a subset averaging "
-          "exchange covers", minimum=0),
-        O("gossip.average_part", int, 1 << 21, "coordinates per averaging message: a big "
-          "model's exchange travels as parts of this size", minimum=1024),
-        O("gossip.max_staleness_samples", int, 32768, "peer gradients older than this many "
-          "swarm samples are dropped", minimum=0),
-        O("log.format", str, "text", "progress output format", "--log-format", ("text", "json")),
-        O("log.every_seconds", float, 5.0, "progress line interval", minimum=0.1),
-    ]
+def _section_options() -> list[Option]:
+    """One option per `option(...)` field of the settings dataclasses (settings.SECTIONS):
+    key, default and help come from the field, the kind from its default."""
+    out = []
+    for section, cls in SECTIONS:
+        for f in dataclasses.fields(cls):
+            meta = option_meta(f)
+            if meta is None:
+                continue
+            out.append(Option(f"{section}.{f.name}", type(f.default), f.default, meta["help"],
+                              meta["flag"], meta["choices"], meta["minimum"]))
+    return out
 
 
 def _model_options() -> list[Option]:
@@ -201,7 +139,16 @@ def _model_options() -> list[Option]:
     return out
 
 
-OPTIONS: dict[str, Option] = {o.key: o for o in _base_options() + _model_options()}
+def _table(options: list[Option]) -> dict[str, Option]:
+    table: dict[str, Option] = {}
+    for o in options:
+        if o.key in table:
+            raise RuntimeError(f"option {o.key} is declared twice")
+        table[o.key] = o
+    return table
+
+
+OPTIONS: dict[str, Option] = _table(_section_options() + _model_options())
 
 
 @dataclass(frozen=True)
@@ -211,12 +158,6 @@ class Config:
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
-
-    def section(self, name: str) -> SimpleNamespace:
-        """Options under `name.` as attributes: cfg.section("train").batch."""
-        prefix = name + "."
-        return SimpleNamespace(**{k[len(prefix):]: v for k, v in self.values.items()
-                                  if k.startswith(prefix) and "." not in k[len(prefix):]})
 
     def model_config(self):
         """The selected model's config dataclass, filled from `model.<name>.*`."""
@@ -341,3 +282,25 @@ def to_toml(cfg: Config, with_sources: bool = True) -> str:
             line = f"{line:<44} # {cfg.sources[key]}"
         lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def _fill(cls: type, cfg: Config, section: str, **extra: Any) -> Any:
+    """An instance of one settings dataclass from the `section.*` options of `cfg`."""
+    values = {f.name: cfg.values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)
+              if option_meta(f) is not None}
+    try:
+        return cls(**values, **extra)
+    except ValueError as exc:
+        raise ConfigError(f"[{section}]: {exc}") from None
+
+
+def settings_of(cfg: Config) -> Settings:
+    """The typed settings of a resolved configuration: the one way drivers read options."""
+    gossip = _fill(GossipConfig, cfg, "gossip")
+    return Settings(
+        model_name=cfg.values["model.name"], model=cfg.model_config(),
+        data=_fill(DataConfig, cfg, "data"), train=_fill(TrainConfig, cfg, "train"),
+        eval=_fill(EvalConfig, cfg, "eval"), checkpoint=_fill(CheckpointConfig, cfg, "checkpoint"),
+        host=_fill(HostConfig, cfg, "node"), node=_fill(NodeConfig, cfg, "node", gossip=gossip),
+        swarm=_fill(SwarmConfig, cfg, "swarm"), net=_fill(NetConfig, cfg, "net"),
+        log=_fill(LogConfig, cfg, "log"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -21,9 +20,36 @@ from p2ptrain.data import Corpus, Sampler, eval_windows
 from p2ptrain.data.sampler import shard_seed
 from p2ptrain.models import Model, fingerprint
 from p2ptrain.optim import AdamW, Schedule, clip_global_norm
+from p2ptrain.options import option
 from p2ptrain.swarmcount import SwarmCount
 
 EVAL_BATCH = 32  # held-out windows per forward pass
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """[train] (p2ptrain.settings): batch, optimiser, schedule and the bounds of a run."""
+
+    batch: int = option(0, "samples per step; 0: chosen from the hardware", flag="--batch",
+                        minimum=0)
+    accum: int = option(0, "micro-batches per step; 0: chosen from memory", minimum=0)
+    lr: float = option(4e-3, "peak learning rate", flag="--lr", minimum=0)
+    min_lr_ratio: float = option(0.1, "cosine floor as a fraction of the peak", minimum=0)
+    warmup_samples: int = option(1600, "samples of linear warm-up", minimum=0)
+    total_samples: int = option(200_000, "swarm samples of the whole run: the schedule's "
+                                "length; the run ends there", minimum=1)
+    weight_decay: float = option(0.01, "decoupled weight decay on matrices", minimum=0)
+    beta1: float = option(0.9, "Adam first-moment decay", minimum=0)
+    beta2: float = option(0.99, "Adam second-moment decay", minimum=0)
+    grad_clip: float = option(1.0, "global gradient-norm clip; 0: off", minimum=0)
+    seed: int = option(0, "seed of the initial weights (the same on every node) and of the "
+                       "data order", flag="--seed", minimum=0)
+    steps: int = option(0, "stop after this many local steps; 0: no limit", flag="--steps",
+                        minimum=0)
+    duration: float = option(0.0, "stop after this many seconds; 0: no limit",
+                             flag="--duration", minimum=0)
+    target_step_seconds: float = option(0.25, "step time the automatic batch size aims at",
+                                        minimum=0.01)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +62,7 @@ class StepResult:
 
 
 class Learner:
-    def __init__(self, model: Model, node_id: str, train: SimpleNamespace, corpus: Corpus,
+    def __init__(self, model: Model, node_id: str, train: TrainConfig, corpus: Corpus,
                  batch: int, accum: int, eval_count: int):
         if batch < 1 or accum < 1 or batch % accum:
             raise ValueError(f"batch {batch} must be a positive multiple of accum {accum}")

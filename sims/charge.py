@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 from p2ptrain.codecs import DEFAULT_CHUNK, Codec, codec_from_wire, total_encoded_size
 from p2ptrain.models import Model, build_model
-from p2ptrain.proto import wire
-from p2ptrain.proto.gossip.messages import (
+from p2ptrain.proto import (
     AverageReply,
     AverageRequest,
     GradientPush,
     GradientReply,
+    wire,
 )
 
 _CHUNK_HEADER = struct.Struct("<4sBBH8sQQI")  # magic .. chunk length (codecs/wire.py layout)

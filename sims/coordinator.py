@@ -26,7 +26,7 @@ import numpy as np
 
 from p2ptrain.codecs import ErrorFeedback, make_codec, parse_message
 from p2ptrain.optim import clip_global_norm
-from p2ptrain.proto.gossip.mixer import PlainEncoder
+from p2ptrain.proto import PlainEncoder
 from sims.charge import vector_bytes
 from sims.engine import stream_seed
 from sims.fleet import World, proto_config

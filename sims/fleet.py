@@ -13,19 +13,18 @@ built-in corpus once per process.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 
-from p2ptrain.config import resolve
 from p2ptrain.data import eval_windows, load_corpus
 from p2ptrain.learner import EVAL_BATCH, Learner
 from p2ptrain.models import fingerprint
-from p2ptrain.proto.config import PRESETS, ProtoConfig
-from p2ptrain.proto.records import MemberInfo, fingerprint_of
+from p2ptrain.proto import PRESETS, MemberInfo, ProtoConfig, fingerprint_of
+from p2ptrain.settings import TrainConfig
 from sims.charge import ByteCharge, ModelSize, build_model_from
 from sims.devices import Device
 from sims.engine import Engine, stream_seed
@@ -69,13 +68,14 @@ def proto_config(scenario: Scenario) -> ProtoConfig:
     return preset.with_(**raw) if raw else preset
 
 
-def train_settings(scenario: Scenario) -> SimpleNamespace:
-    """p2ptrain's [train] section with the scenario's overrides."""
-    base = vars(resolve(None, {}, {}).section("train"))
-    unknown = sorted(set(scenario.train) - set(base))
+def train_settings(scenario: Scenario) -> TrainConfig:
+    """p2ptrain's [train] section (the same keys as a node's TOML) with the scenario's
+    overrides."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(scenario.train) - known)
     if unknown:
         raise ValueError(f"[train]: unknown key(s) {', '.join(unknown)}")
-    return SimpleNamespace(**{**base, **scenario.train})
+    return TrainConfig(**scenario.train)
 
 
 @functools.cache

@@ -29,22 +29,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2ptrain.proto.events import (
+from p2ptrain.proto import (
+    GOSSIP_BODIES,
     Discovered,
     Finished,
+    GossipConfig,
+    GradientPush,
     LeaderChanged,
     Leave,
+    Node,
+    NodeConfig,
     Received,
     RunStep,
     SaveCheckpoint,
     Send,
     StepDone,
     Tick,
+    consensus_distance,
 )
-from p2ptrain.proto.gossip.averaging import consensus_distance
-from p2ptrain.proto.gossip.config import GossipConfig
-from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, GradientPush
-from p2ptrain.proto.node import Node, NodeConfig
 from p2ptrain.swarmcount import SwarmCount
 from sims.engine import Timer, stream_seed
 from sims.fleet import Member, World, proto_config
@@ -55,14 +57,22 @@ CHECKPOINT_OVERHEAD = 4096  # bytes of manifest and headers around a checkpoint'
 
 
 def split_params(params: dict) -> tuple[GossipConfig, NodeConfig]:
-    """A method's knobs: GossipConfig fields and NodeConfig fields (others are errors)."""
+    """A method's knobs: the keys of a node's [gossip] and [node] TOML sections (the
+    GossipConfig and NodeConfig fields), given flat (`fanout = 1`) or as in a node's file
+    (`gossip.fanout = 1`, i.e. a `gossip` or `node` table); others are errors."""
+    params = {k: v for k, v in params.items() if k not in ("gossip", "node")} | {
+        k: v for table in ("gossip", "node") for k, v in dict(params.get(table, {})).items()}
     gossip_fields = {f.name for f in dataclasses.fields(GossipConfig)}
     node_fields = {f.name for f in dataclasses.fields(NodeConfig)} - {"gossip"}
     unknown = sorted(set(params) - gossip_fields - node_fields)
     if unknown:
         raise ValueError(f"gossip method: unknown knob(s) {', '.join(unknown)}")
     gossip = GossipConfig(**{k: v for k, v in params.items() if k in gossip_fields})
-    node = NodeConfig(gossip=gossip, **{k: v for k, v in params.items() if k in node_fields})
+    # a simulated machine trains as soon as it starts (min_peers 0) unless the method says
+    # otherwise: the simulator models the join itself (a returning machine fetches the
+    # latest checkpoint before its node starts)
+    node_knobs = {"min_peers": 0, **{k: v for k, v in params.items() if k in node_fields}}
+    node = NodeConfig(gossip=gossip, **node_knobs)
     return gossip, node
 
 

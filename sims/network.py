@@ -28,10 +28,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from p2ptrain.proto import NodeConfig
 from sims.engine import Engine
 from sims.links import Hop, Resource, Transfer, constant, never_lost, transmit
 
-MAX_BULK_IN_FLIGHT = 2  # as p2ptrain.net.outbox: gradient pushes beyond this are dropped
+# gradient pushes in flight per pair beyond which more are dropped, as the runtime's outbox
+MAX_BULK_IN_FLIGHT = NodeConfig().bulk_in_flight
 MBIT = 1e6 / 8
 
 

@@ -28,9 +28,7 @@ import math
 from typing import Any
 
 from p2ptrain.codecs import make_codec
-from p2ptrain.proto.gossip.averaging import AveragingPlan
-from p2ptrain.proto.gossip.config import GossipConfig
-from p2ptrain.proto.node import NodeConfig
+from p2ptrain.proto import AveragingPlan, GossipConfig, NodeConfig
 from sims.charge import ModelSize, vector_bytes
 from sims.fleet import World
 from sims.metrics import Recorder, sig

@@ -1,4 +1,4 @@
-"""Shared helpers: running the real `p2ptrain` command as a subprocess.
+"""Test setup and fixtures (helpers that tests import are in tests/helpers.py).
 
 Tests run BLAS single-threaded: the small models here gain nothing from a second thread, and
 on a shared 2-core machine a 2-thread BLAS call waits for its descheduled twin (5-10x slower).
@@ -10,28 +10,9 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before anything imports numpy
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    """The environment for a CLI subprocess: no P2PTRAIN_* from the caller, small BLAS pool,
-    a node that trains alone (no network: tests never join the demo swarm)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PTRAIN_")}
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    env["P2PTRAIN_ALONE"] = "true"  # tests of the networked node say so (swarm_env)
-    env.update(extra)
-    return env
-
-
-def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd=None):
-    return subprocess.run([sys.executable, "-m", "p2ptrain", *args], capture_output=True,
-                          text=True, env=env or cli_env(), timeout=timeout, cwd=cwd or REPO)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.swarm import new_swarm
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 SMALL_SWARM_TOML = """\
 [model]

@@ -5,7 +5,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tests.conftest import REPO
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.processes]
 
 SETUP = REPO / "bootstrap" / "setup.sh"
 

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers import REPO, cli_env, run_cli
+
+pytestmark = [pytest.mark.processes]
 
 
 def events(stdout: str) -> list[dict]:

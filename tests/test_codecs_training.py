@@ -1,16 +1,15 @@
 """Top-k 1% with error feedback trains an rwkv about as well as uncompressed gradients; top-k
 0.1% without error feedback (the control) does not. Small model, a few minutes on 2 cores."""
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from p2ptrain.codecs import ErrorFeedback, decode_message, encode_vector, make_codec
-from p2ptrain.config import resolve
 from p2ptrain.data import load_corpus
 from p2ptrain.learner import Learner
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
+from p2ptrain.settings import TrainConfig
 
 STEPS, BATCH = 3000, 16
 SENDER = bytes(range(16))
@@ -18,8 +17,7 @@ SENDER = bytes(range(16))
 
 def train(codec_name: str | None, fraction: float = 0.0, error_feedback: bool = False) -> float:
     """Held-out loss after STEPS steps in which the gradient goes through the codec."""
-    train_cfg = SimpleNamespace(**{**vars(resolve(None, {}, {}).section("train")), "lr": 4e-3,
-                                   "warmup_samples": 200, "total_samples": STEPS * BATCH})
+    train_cfg = TrainConfig(lr=4e-3, warmup_samples=200, total_samples=STEPS * BATCH)
     model = RWKV(RWKVConfig(n_layer=1, n_embd=32, ctx_len=32))
     learner = Learner(model, "codec-test", train_cfg, load_corpus(None, 0.1, 40), BATCH, 1, 256)
     codec = make_codec(codec_name, fraction=fraction) if codec_name else None

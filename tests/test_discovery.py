@@ -271,6 +271,8 @@ def _pump(name: int, stream, out: queue.Queue) -> None:
         out.put((name, line))
 
 
+@pytest.mark.processes
+@pytest.mark.netns
 def test_netns_hosts_find_exactly_their_swarm(tmp_path: Path) -> None:
     require_netns()
     script = tmp_path / "peer.py"
@@ -321,6 +323,7 @@ def test_netns_hosts_find_exactly_their_swarm(tmp_path: Path) -> None:
     print(f"netns discovery: first {min(latencies):.2f} s, last {max(latencies):.2f} s")
 
 
+@pytest.mark.netns
 def test_netlab_cleans_up_even_when_the_body_raises() -> None:
     require_netns()
     with pytest.raises(RuntimeError, match="deliberate"), NetLab(2, "clean") as lab:

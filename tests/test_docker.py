@@ -41,7 +41,7 @@ import yaml
 
 from p2ptrain.config import NON_OPTION_ENV, OPTIONS
 from p2ptrain.swarm import Swarm, new_swarm, parse_token
-from tests.conftest import REPO
+from tests.helpers import REPO
 from tests.swarmlab import free_ports, wait_for
 
 DOCKER = REPO / "docker"
@@ -316,6 +316,7 @@ def test_overlay_stack_seeds_by_dns_without_mdns():
     assert service["entrypoint"][-1] == "p2ptrain", "$0 of the sh -c entry point"
 
 
+@pytest.mark.processes
 def test_overlay_entrypoint_advertises_the_container_address(tmp_path: Path):
     """The overlay stack wraps the entry point to advertise the overlay address; run the
     wrapper with a stand-in `p2ptrain` that reports what it was given."""
@@ -554,6 +555,7 @@ def local_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_container_entry_path_serves_health_and_stops_on_sigterm(tmp_path: Path):
     final = final_stage()

@@ -112,6 +112,7 @@ def test_unmeasured_peers_get_the_median_of_the_measured():
         choose_peers(["a"], {}, -1, np.random.default_rng(0), 10)
 
 
+@pytest.mark.processes
 def test_gossip_modules_import_no_io_stack():
     code = ("import sys\nimport p2ptrain.proto.gossip.mixer, p2ptrain.proto.gossip.averaging, "
             "p2ptrain.proto.gossip.peers\n"

@@ -83,3 +83,20 @@ def test_only_the_cli_imports_the_runtime():
     graph = import_graph()
     users = sorted(m for m, edges in graph.items() if "p2ptrain.net.runtime" in edges)
     assert all(m.startswith("p2ptrain.cli") for m in users), users
+
+
+def test_drivers_import_the_protocol_through_its_surface():
+    """net/ and sims/ use `p2ptrain.proto` (its __init__), never its inner modules."""
+    roots = [PACKAGE / "net", PACKAGE.parent / "sims"]
+    bad = []
+    for path in (p for root in roots for p in root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{path.name}: {n}" for n in names if n.startswith("p2ptrain.proto.")]
+    assert not bad
+
+
+def test_the_runtime_stays_small():
+    lines = (PACKAGE / "net" / "runtime.py").read_text().count("\n")
+    assert lines < 400, lines

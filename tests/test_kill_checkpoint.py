@@ -3,8 +3,12 @@
 import json
 import signal
 
+import pytest
+
 from p2ptrain import checkpoint
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
+
+pytestmark = [pytest.mark.processes]
 
 
 def test_kill_mid_write_resumes_from_the_previous_good_checkpoint(tmp_path, small_mlp_config):

@@ -1,9 +1,9 @@
-from types import SimpleNamespace
+import dataclasses
 
 import numpy as np
 
 from p2ptrain import checkpoint
-from p2ptrain.config import resolve
+from p2ptrain.config import resolve, settings_of
 from p2ptrain.data import load_corpus
 from p2ptrain.identity import load_or_create
 from p2ptrain.learner import Learner
@@ -13,8 +13,8 @@ from p2ptrain.models.mlp import MLPConfig
 
 def make(node_id="n1", **train_overrides):
     cfg = resolve(None, {}, {})
-    train = SimpleNamespace(**{**vars(cfg.section("train")), "warmup_samples": 8,
-                               **train_overrides})
+    train = dataclasses.replace(settings_of(cfg).train, warmup_samples=8,
+                                **train_overrides)
     model = build_model("mlp", MLPConfig(n_hidden=32, n_embd=8, ctx_len=16))
     corpus = load_corpus(None, 0.1, 20)
     return Learner(model, node_id, train, corpus, batch=8, accum=1, eval_count=16)

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import math
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from p2ptrain.codecs import HEADER_SIZE, encode_vector, make_codec
-from p2ptrain.config import resolve
 from p2ptrain.data import load_corpus
 from p2ptrain.learner import Learner
 from p2ptrain.models import build_model
@@ -42,6 +40,7 @@ from p2ptrain.proto.gossip.trainer import Exchange
 from p2ptrain.proto.messages import TYPE_IDS, Ack, Envelope, Ping
 from p2ptrain.proto.node import Node, NodeConfig
 from p2ptrain.proto.records import DEAD, Update
+from p2ptrain.settings import TrainConfig
 from tests.cluster.harness import Network
 from tests.cluster.training import TrainingCluster
 from tests.proto_samples import A, info
@@ -53,8 +52,7 @@ BATCH = 8
 
 
 def learner(node_id: str, total_samples: int = 100_000) -> Learner:
-    train = SimpleNamespace(**{**vars(resolve(None, {}, {}).section("train")),
-                               "warmup_samples": 64, "total_samples": total_samples})
+    train = TrainConfig(warmup_samples=64, total_samples=total_samples)
     return Learner(MODEL, node_id, train, CORPUS, batch=BATCH, accum=1, eval_count=16)
 
 
@@ -99,7 +97,8 @@ def gradient_chunk(sender: str, x: np.ndarray, weight: float = BATCH) -> bytes:
 
 def test_run_step_and_step_done_cycle():
     lr = learner(A)
-    node = Node(LOCAL, info(A), lr, incarnation=1, now=0.0, rng=random.Random(1))
+    node = Node(LOCAL, info(A), lr, NodeConfig(min_peers=0), incarnation=1, now=0.0,
+                rng=random.Random(1))
     actions = node.handle(0.0, Tick())
     runs = [a for a in actions if type(a) is RunStep]
     assert runs == [RunStep(1)] and node.outstanding == 1
@@ -125,7 +124,8 @@ def test_run_step_and_step_done_cycle():
 
 def test_training_ends_at_the_swarm_total():
     lr = learner(A, total_samples=3 * BATCH)
-    node = Node(LOCAL, info(A), lr, incarnation=1, now=0.0, rng=random.Random(1))
+    node = Node(LOCAL, info(A), lr, NodeConfig(min_peers=0), incarnation=1, now=0.0,
+                rng=random.Random(1))
     actions, t = node.handle(0.0, Tick()), 0.0
     while True:
         step = [a for a in actions if type(a) is RunStep]

@@ -10,17 +10,15 @@ In both the consensus distance stays bounded, and the same run without communica
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from p2ptrain.config import resolve
 from p2ptrain.data import load_corpus
 from p2ptrain.learner import Learner
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
 from p2ptrain.proto.gossip.averaging import consensus_distance
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.node import NodeConfig
+from p2ptrain.settings import TrainConfig
 from tests.cluster.harness import Network
 from tests.cluster.training import TrainingCluster
 
@@ -28,8 +26,7 @@ NODES, BATCH, ROUNDS = 8, 16, 750
 TOTAL = NODES * BATCH * ROUNDS  # swarm samples of the whole run (96,000)
 EVAL_WINDOWS = 512
 MODEL = RWKV(RWKVConfig(n_layer=1, n_embd=32, ctx_len=32))
-TRAIN = SimpleNamespace(**{**vars(resolve(None, {}, {}).section("train")), "lr": 4e-3,
-                           "warmup_samples": TOTAL // 20, "total_samples": TOTAL})
+TRAIN = TrainConfig(lr=4e-3, warmup_samples=TOTAL // 20, total_samples=TOTAL)
 STEP_SECONDS = [0.05 * (1 + i / 14) for i in range(NODES)]  # the slowest is 1.5x the fastest
 
 

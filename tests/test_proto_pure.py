@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import p2ptrain.proto
 
 PROTO = Path(p2ptrain.proto.__file__).parent
@@ -26,6 +28,7 @@ def test_the_check_covers_every_proto_module():
         assert f"p2ptrain.proto.{name}" in MODULES
 
 
+@pytest.mark.processes
 def test_proto_imports_no_io_stack():
     code = ("import sys\n" + "".join(f"import {m}\n" for m in MODULES)
             + "bad = [m for m in ('asyncio', 'aiohttp', 'zeroconf', 'socket', 'selectors')"
@@ -58,9 +61,9 @@ def impurities(source: str) -> list[str]:
                 found.append("imports a global random function")
             if node.module == "numpy.random" and {a.name for a in node.names} - SEEDED:
                 found.append("imports a global numpy random function")
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            if node.value.id == "random" and node.attr in GLOBAL_RANDOM:
-                found.append(f"calls random.{node.attr}")
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id == "random" and node.attr in GLOBAL_RANDOM):
+            found.append(f"calls random.{node.attr}")
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
                 and isinstance(node.value.value, ast.Name)
                 and node.value.value.id in ("np", "numpy") and node.value.attr == "random"

@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = [pytest.mark.processes]
+
 PURE = ["p2ptrain.params", "p2ptrain.models", "p2ptrain.optim", "p2ptrain.data",
         "p2ptrain.learner", "p2ptrain.swarmcount", "p2ptrain.sample", "p2ptrain.codecs"]
 

@@ -20,7 +20,9 @@ from p2ptrain.proto.messages import Envelope, Header
 from sims import run, traffic
 from sims.charge import ByteCharge, vector_bytes
 from sims.scenario import load, parse
-from tests.conftest import REPO
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.processes]
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,7 @@ def ci_results():
     return run.run_scenario(load("ci"))
 
 
+@pytest.mark.slow
 def test_same_seed_same_bytes(ci_results, tmp_path):
     again = run.run_scenario(load("ci"))
     assert run.dumps(again) == run.dumps(ci_results)

@@ -7,10 +7,14 @@ import json
 import os
 import stat
 
+import pytest
+
 from p2ptrain import checkpoint
 from p2ptrain.swarm import parse_token
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
 from tests.swarmlab import SMALL_SWARM_TOML, SwarmLab, free_ports, wait_for
+
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 
 def test_init_writes_a_private_key_a_config_and_prints_the_token(tmp_path):

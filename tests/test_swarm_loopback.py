@@ -7,11 +7,14 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from p2ptrain import checkpoint
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 from tests.swarmlab import SwarmLab, free_ports, wait_for
+
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 
 def _alive_peers(doc: dict) -> set[str]:

@@ -23,6 +23,8 @@ from zeroconf import ServiceBrowser, ServiceStateChange, Zeroconf
 from tests.netlab import NetLab, require_netns
 from tests.swarmlab import SMALL_SWARM_TOML, Proc, SwarmLab, wait_for
 
+pytestmark = [pytest.mark.processes, pytest.mark.netns, pytest.mark.slow]
+
 PORT = 7100  # every namespace has its own ports
 OBSERVER_HOST = 254  # the root namespace's host number on the lab bridge
 

@@ -32,7 +32,7 @@ import xxhash
 
 from p2ptrain import checkpoint
 from p2ptrain.codecs import HEADER_SIZE, TRAILER_SIZE, encode_vector, make_codec
-from p2ptrain.config import resolve
+from p2ptrain.config import resolve, settings_of, swarm_options
 from p2ptrain.models import build_model
 from p2ptrain.net.auth import Signer, derive_mac_key
 from p2ptrain.net.ckptserve import is_checkpoint_name
@@ -53,8 +53,10 @@ from p2ptrain.proto.messages import (
 from p2ptrain.proto.records import ALIVE, LeaderView, MemberInfo, Update
 from p2ptrain.report import Reporter
 from p2ptrain.swarm import Swarm, new_swarm
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 from tests.swarmlab import SwarmLab, free_ports, wait_for
+
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 GOSSIP, CONTROL, MEMBERS = "/v1/gossip", "/v1/control", "/v1/members"
 GOSSIP_LIMIT, CONTROL_LIMIT = 32 << 20, 1 << 20  # server.ROUTES, restated on purpose
@@ -349,7 +351,8 @@ async def running_node(tmp_path: Path, swarm: Swarm) -> AsyncIterator[Runtime]:
         "net.port": 0, "net.mdns": False, "net.timing": "local", "eval.every_seconds": 0.0,
         "checkpoint.every_seconds": 0.0, "log.every_seconds": 60.0, "log.format": "json"})
     with open(tmp_path / "node.log", "w") as log:
-        rt = Runtime(cfg, Reporter("json", out=log, err=log), swarm)
+        rt = Runtime(settings_of(cfg), swarm_options(cfg), Reporter("json", out=log, err=log),
+                     swarm)
         task = asyncio.create_task(rt.run())
         try:
             await until("the node to listen", lambda: task.done() or (

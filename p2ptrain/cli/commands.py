@@ -12,11 +12,11 @@ import numpy as np
 
 from p2ptrain import checkpoint
 from p2ptrain.checkpoint.safetensors_io import SafetensorsError
-from p2ptrain.cli.main import resolve_config
+from p2ptrain.cli.args import flags_of, resolve_config
 from p2ptrain.config import ConfigError, to_toml
 from p2ptrain.data import DataError
+from p2ptrain.errors import UserError
 from p2ptrain.identity import IdentityError
-from p2ptrain.solo import UserError
 from p2ptrain.swarm import SwarmError
 
 USER_ERRORS = (UserError, ConfigError, DataError, checkpoint.CheckpointError, IdentityError,
@@ -25,7 +25,6 @@ USER_ERRORS = (UserError, ConfigError, DataError, checkpoint.CheckpointError, Id
 
 def dispatch(args: argparse.Namespace) -> int:
     from p2ptrain.cli import swarmcmds
-    from p2ptrain.cli.main import flags_of
 
     if args.command == "join":
         return swarmcmds.cmd_join(args, flags_of(args))

@@ -147,17 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def flags_of(args: argparse.Namespace) -> dict:
-    return {k[4:]: ",".join(v) if isinstance(v, list) else v
-            for k, v in vars(args).items() if k.startswith("opt:") and v is not None}
-
-
-def resolve_config(args: argparse.Namespace):
-    from p2ptrain.config import config_file_from, resolve
-
-    return resolve(config_file_from(getattr(args, "config", None)), os.environ, flags_of(args))
-
-
 def main(argv: list[str] | None = None) -> int:
     _limit_blas_threads()
     parser = build_parser()

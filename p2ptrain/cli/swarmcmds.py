@@ -21,10 +21,18 @@ from typing import Any
 
 import aiohttp
 
-from p2ptrain.config import OPTIONS, SWARM_KEY_PREFIXES, Config, config_file_from, resolve
+from p2ptrain.config import (
+    OPTIONS,
+    SWARM_KEY_PREFIXES,
+    Config,
+    config_file_from,
+    resolve,
+    settings_of,
+    swarm_options,
+)
+from p2ptrain.errors import UserError
 from p2ptrain.net.auth import AuthError
 from p2ptrain.report import Reporter, human_count
-from p2ptrain.solo import UserError
 from p2ptrain.swarm import (
     Swarm,
     SwarmError,
@@ -137,7 +145,7 @@ def cmd_join(args, flags: dict) -> int:
     cfg = resolve(config_file, os.environ, flags)
     reporter = Reporter(cfg["log.format"])
     if cfg["node.alone"]:
-        return solo.run(cfg, reporter)
+        return solo.run(settings_of(cfg), reporter)
     # until the runtime installs its handlers (after the config fetch and the model build), a
     # SIGTERM (docker stop) ends the process cleanly: nothing has been trained yet
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -158,7 +166,7 @@ def cmd_join(args, flags: dict) -> int:
             cfg = resolve(None, os.environ, flags, adopted=options, adopted_from=addr)
             reporter.info(f"adopted the swarm's configuration from {addr}",
                           event="config_adopted", peer=addr)
-    return asyncio.run(Runtime(cfg, reporter, swarm).run())
+    return asyncio.run(Runtime(settings_of(cfg), swarm_options(cfg), reporter, swarm).run())
 
 
 def _swarm_toml(cfg: Config, name: str) -> str:

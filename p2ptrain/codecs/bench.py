@@ -1,5 +1,5 @@
 """`p2ptrain bench codecs`: encode/decode throughput of every codec against this machine's
-memcpy, measured in the same run, with the goals of issue 3.
+memcpy, measured in the same run, with the throughput goals recorded in docs/BENCHMARKS.md §3.
 
 Throughput is GB/s of float32 input (4 bytes per element) through the whole message path:
 `encode_vector` (input check, headers, checksums, a fresh buffer per message), consumed one

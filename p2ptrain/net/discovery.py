@@ -298,3 +298,88 @@ class Discovery:
             self._on_found(addr, node)
         except Exception:
             log.exception("mDNS: on_found(%s, %s) raised", addr, node)
+
+
+def guess_address(bind: str, toward: str | None = None) -> str:
+    """The address peers should use: the bound one, else the source address of the route
+    toward the first seed (its network is the peers' network), else of the default route,
+    else any non-loopback address (an offline LAN)."""
+    if bind not in ("", "0.0.0.0", "::"):
+        return bind
+    targets = [toward] if toward else []
+    for target in [*targets, "192.0.2.1"]:  # TEST-NET: picks a route, sends nothing
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((target, 9))
+                return s.getsockname()[0]
+            except (OSError, UnicodeError):
+                continue
+    return host_ipv4_addresses()[0]
+
+
+async def start_mdns(swarm_id: str, node_id: str, port: int, host: str, device_class: str,
+                     bind: str, advertise: bool, on_found: Callable[[str], None],
+                     warn: Callable[[str], None]) -> Discovery | None:
+    """mDNS for one swarm: every other node it finds is handed to `on_found(addr)` on the
+    calling event loop. None (after a warning) where multicast does not work."""
+    loop = asyncio.get_running_loop()
+
+    def found(addr: str, other: str) -> None:
+        if other != node_id:
+            loop.call_soon_threadsafe(on_found, addr)
+
+    try:
+        ipaddress.ip_address(host)
+        addresses = [host]
+    except ValueError:  # a DNS name: let zeroconf advertise the host's addresses
+        addresses = None
+    discovery = None
+    try:
+        discovery = Discovery(swarm_id=swarm_id, node_id=node_id, port=port,
+                              addresses=addresses, device_class=device_class[:64] or "?",
+                              on_found=found,
+                              interfaces=[bind] if bind.startswith("127.") else None,
+                              advertise=advertise)
+        await discovery.start()
+    except Exception as exc:  # no multicast here: say so, go on with the seeds
+        warn(f"mDNS unavailable ({exc}); using seeds only")
+        if discovery is not None:
+            await discovery.close()
+        return None
+    return discovery
+
+
+SEED_INTERVAL = 30.0  # s between re-resolutions of the static/DNS seeds
+
+
+async def seed_loop(seeds: list[str], own_addr: str, on_found: Callable[[str], None],
+                    warn: Callable[[str], None]) -> None:
+    """Hand the static and DNS seeds to `on_found` now and every SEED_INTERVAL seconds;
+    each seed that does not resolve is reported once."""
+    if not seeds:
+        return
+    said: set[str] = set()
+    while True:
+        resolved, failed = await resolve_seeds(seeds, 7100)
+        for problem in failed:
+            if problem not in said:
+                said.add(problem)
+                warn(f"seed {problem}")
+        for addr in resolved:
+            if addr != own_addr:
+                on_found(addr)
+        await asyncio.sleep(SEED_INTERVAL)
+
+
+def advertised_address(advertise: str, bind: str, port: int, seeds: list[str]
+                       ) -> tuple[str, str]:
+    """(host, "host:port") peers should use to reach this node: `advertise` when given (its
+    port defaults to the bound one), else the address on the route toward the first seed."""
+    from p2ptrain.errors import UserError
+
+    try:
+        toward = parse_peer(seeds[0])[0] if seeds else None
+        host, adv_port = parse_peer(advertise or guess_address(bind, toward), port)
+    except ValueError as exc:
+        raise UserError(f"--advertise: {exc}") from None
+    return host, format_peer(host, adv_port)

@@ -20,36 +20,46 @@ import aiohttp
 
 from p2ptrain.net.auth import AuthError, Signer
 from p2ptrain.net.pacing import TokenBucket, paced
-from p2ptrain.net.server import MAX_REPLY, read_limited, route_of
-from p2ptrain.proto import wire
-from p2ptrain.proto.errors import RemoteProtocolError
-from p2ptrain.proto.events import Send
+from p2ptrain.net.routes import MAX_REPLY, read_limited, route_of
+from p2ptrain.proto import RemoteProtocolError, Send, wire
 
 if TYPE_CHECKING:
+    from p2ptrain.proto import NodeConfig
     from p2ptrain.report import Reporter
 
 BULK_ROUTES = ("/v1/gossip", "/v1/average")
 DROPPABLE = "/v1/gossip"  # gradient pushes: fire and forget, dropped when the peer lags
-MAX_BULK_IN_FLIGHT = 2  # bulk requests to one peer at once; more are dropped
 CONTROL_TIMEOUT = 10.0  # s for a control message round trip
 BULK_TIMEOUT = 300.0  # s for a gradient push (slow uplinks)
-# s for an averaging exchange: shorter than the node's own give-up time (90 s,
-# NodeConfig.average_timeout), so a reply never lands after the exchange was abandoned
-AVERAGE_TIMEOUT = 80.0
 CONNECT_TIMEOUT = 5.0  # s to open a connection
 
 
 class Outbox:
     """Posts messages for one node; `on_frames(addr, frames)` receives response frames."""
 
+    @classmethod
+    def open(cls, signer: Signer, bucket: TokenBucket,
+             on_frames: Callable[[str, list[bytes]], None], reporter: Reporter,
+             limits: NodeConfig) -> Outbox:
+        """An outbox with its own two connection pools (closed by `close`)."""
+        bulk, control = (aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            limit=limit, limit_per_host=per_host), auto_decompress=False)
+            for limit, per_host in ((64, 4), (256, 8)))
+        return cls(bulk, control, signer, bucket, on_frames, reporter, limits)
+
     def __init__(self, session: aiohttp.ClientSession, control_session: aiohttp.ClientSession,
                  signer: Signer, bucket: TokenBucket,
-                 on_frames: Callable[[str, list[bytes]], None], reporter: Reporter):
+                 on_frames: Callable[[str, list[bytes]], None], reporter: Reporter,
+                 limits: NodeConfig):
         # two connection pools: a peer that hangs on bulk transfers cannot starve the small
         # control messages (heartbeats, probes) to everyone else
         self.session, self.control_session = session, control_session
         self.signer, self.bucket = signer, bucket
         self.on_frames, self.reporter = on_frames, reporter
+        # gradient pushes in flight to one peer, at most; an averaging request's time limit
+        # (shorter than the node's give-up, so a reply never lands after it)
+        self.bulk_in_flight = limits.bulk_in_flight
+        self.average_timeout = limits.average_request_timeout
         self.in_flight: Counter[str] = Counter()  # bulk requests per address
         self.failures: Counter[str] = Counter()  # failed requests per address
         self.stats: Counter[str] = Counter()
@@ -60,7 +70,7 @@ class Outbox:
         """Start posting `action.envelope` to `action.addr` (returns at once)."""
         route = route_of(action.envelope.body)
         bulk = route in BULK_ROUTES
-        if route == DROPPABLE and self.in_flight[action.addr] >= MAX_BULK_IN_FLIGHT:
+        if route == DROPPABLE and self.in_flight[action.addr] >= self.bulk_in_flight:
             self.stats["gradients_dropped_busy_peer"] += 1  # the averaging exchange never is
             return
         try:
@@ -79,7 +89,7 @@ class Outbox:
         headers["Content-Type"] = "application/octet-stream"
         headers["Content-Length"] = str(len(data))
         timeout = aiohttp.ClientTimeout(
-            total=AVERAGE_TIMEOUT if route == "/v1/average" else
+            total=self.average_timeout if route == "/v1/average" else
             BULK_TIMEOUT if bulk else CONTROL_TIMEOUT, sock_connect=CONNECT_TIMEOUT)
         session = self.session if bulk else self.control_session
         try:
@@ -123,7 +133,10 @@ class Outbox:
             await asyncio.wait(list(self.tasks), timeout=timeout)
 
     async def close(self) -> None:
+        """Cancel what is in flight and close both connection pools."""
         for task in list(self.tasks):
             task.cancel()
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.session.close()
+        await self.control_session.close()

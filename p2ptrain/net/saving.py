@@ -11,14 +11,18 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from p2ptrain import checkpoint
 
 if TYPE_CHECKING:
-    from p2ptrain.net.runtime import Runtime
+    from p2ptrain.housekeeping import Housekeeping
+    from p2ptrain.learner import Learner
+    from p2ptrain.report import Reporter
 
 
 def copy_snapshot(learner, term: int) -> checkpoint.Snapshot:
@@ -35,41 +39,48 @@ def copy_snapshot(learner, term: int) -> checkpoint.Snapshot:
 
 
 class Saver:
-    """Writes the runtime's checkpoints into its checkpoint root, one at a time."""
+    """Writes a running node's checkpoints, one at a time, in the I/O thread."""
 
-    def __init__(self, rt: Runtime, fault: Callable[[int], object]):
-        self.rt, self.fault = rt, fault
+    def __init__(self, learner: Learner, write: Callable[[checkpoint.Snapshot, Any], Path],
+                 executor: Executor, now: Callable[[], float], reporter: Reporter,
+                 count: Callable[[str], None], fault: Callable[[int], Any],
+                 plan: Housekeeping):
+        self.learner, self.write, self.executor = learner, write, executor
+        self.now, self.reporter, self.count_event = now, reporter, count
+        self.fault, self.plan = fault, plan
         self.future: asyncio.Future | None = None
         self.count = 0  # saves started
-        self.seconds = 0.0  # duration of the last write
-        self.last_started = 0.0  # runtime clock of the last save started
+
+    @property
+    def seconds(self) -> float:
+        """Duration of the last write."""
+        return self.plan.save_seconds
 
     def save(self, term: int, final: bool = False, reason: str = "") -> None:
         """Start writing a checkpoint stamped `term` (skipped if a write is running)."""
-        rt = self.rt
         if self.future is not None:
-            rt.count("checkpoints_skipped_busy")
+            self.count_event("checkpoints_skipped_busy")
             return
-        snap = copy_snapshot(rt.learner, term)
+        snap = copy_snapshot(self.learner, term)
         self.count += 1
         progress = self.fault(self.count)
-        started = self.last_started = rt.now()
-        future = rt.loop.run_in_executor(
-            rt.io_pool, lambda: checkpoint.save(rt.ckroot, snap, rt.identity,
-                                                rt.cfg["checkpoint.keep"], progress))
+        started = self.now()
+        self.plan.save_started(started)
+        future = asyncio.get_running_loop().run_in_executor(
+            self.executor, lambda: self.write(snap, progress=progress))
         self.future = future
 
         def done(f: asyncio.Future) -> None:
             self.future = None
-            self.seconds = rt.now() - started
+            self.plan.save_finished(self.now() - started)
             try:
                 path = f.result()
             except Exception as exc:
-                rt.reporter.warn(f"checkpoint failed: {exc}", event="checkpoint_failed")
+                self.reporter.warn(f"checkpoint failed: {exc}", event="checkpoint_failed")
                 return
-            rt.reporter.info(f"checkpoint {path.name} written in {self.seconds:.2f}s "
-                             f"({reason}{', final' if final else ''})", event="checkpoint",
-                             path=str(path), step=snap.step, term=term, final=final)
+            self.reporter.info(f"checkpoint {path.name} written in {self.seconds:.2f}s "
+                               f"({reason}{', final' if final else ''})", event="checkpoint",
+                               path=str(path), step=snap.step, term=term, final=final)
 
         future.add_done_callback(done)
 

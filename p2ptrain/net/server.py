@@ -25,64 +25,63 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from p2ptrain.errors import UserError
 from p2ptrain.net import ckptserve, dashboard
-from p2ptrain.net.auth import AuthError, parse_request
-from p2ptrain.net.pacing import paced
-from p2ptrain.proto import messages as m
-from p2ptrain.proto import wire
-from p2ptrain.proto.errors import RemoteProtocolError
-from p2ptrain.proto.gossip.messages import (
-    AverageReply,
-    AverageRequest,
-    GradientPush,
-    GradientReply,
-)
+from p2ptrain.net.auth import AuthError, ServerAuth, parse_request
+from p2ptrain.net.pacing import TokenBucket, paced
+from p2ptrain.net.routes import MAX_REPLY, ROUTES, MiB, read_limited
+from p2ptrain.proto import RemoteProtocolError, wire
 
-if TYPE_CHECKING:
-    from p2ptrain.net.runtime import Runtime
 
-MiB = 1 << 20
-# route -> (body types it carries, largest body accepted)
-ROUTES: dict[str, tuple[tuple[type, ...], int]] = {
-    "/v1/control": ((m.Ping, m.Ack, m.PingReq, m.Notify, m.Refuse, m.Leave, m.Claim,
-                     m.Heartbeat, m.Resign, m.Yield), 1 * MiB),
-    "/v1/members": ((m.SyncRequest, m.SyncReply), wire.MAX_JSON + 64 * 1024),
-    "/v1/gossip": ((GradientPush, GradientReply), 32 * MiB),
-    "/v1/average": ((AverageRequest, AverageReply), wire.MAX_JSON + wire.MAX_BLOB),
-}
-_ROUTE_OF = {cls: route for route, (classes, _) in ROUTES.items() for cls in classes}
-MAX_REPLY = wire.MAX_JSON + wire.MAX_BLOB + 64 * 1024  # a response body, at most
-RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime")
+class Host(Protocol):
+    """What the server needs of the node it serves (the runtime implements it)."""
+
+    node_id: str
+
+    def count(self, what: str) -> None:
+        """Count one event (refused requests) in the node's statistics."""
+
+    def deliver(self, envelope: Any, remote: str, sender: str, size: int
+                ) -> tuple[int, list[bytes], str]:
+        """Hand an authenticated message to the node: (HTTP status, reply frames, reason)."""
+
+    def status(self) -> dict[str, Any]:
+        """The /v1/status document."""
+
+    def health(self) -> dict[str, Any]:
+        """The /v1/health document."""
+
+    def swarm_config(self) -> dict[str, Any]:
+        """The /v1/config document: the swarm's name and its swarm-wide options."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """Everything the routes use: the node, its authenticator, its upload cap."""
+
+    host: Host
+    auth: ServerAuth
+    bucket: TokenBucket  # every body the server sends counts against the upload cap
+    open_routes: bool  # /v1/status, /metrics and / without a MAC
+
+
+SERVED: web.AppKey[Served] = web.AppKey("served")
 BULK_READS: web.AppKey[asyncio.Semaphore] = web.AppKey("bulk_reads")
 MAX_BULK_READS = 4  # bulk request bodies being read at once
-
-
-def route_of(body: m.Body) -> str:
-    """The route a message body is posted to."""
-    return _ROUTE_OF[type(body)]
-
 
 def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": reason}, status=status, headers=headers)
 
 
-async def read_limited(content, limit: int) -> bytes | None:
-    """The whole body, or None once it exceeds `limit` bytes (reading stops there)."""
-    parts, total = [], 0
-    async for piece in content.iter_chunked(MiB):
-        total += len(piece)
-        if total > limit:
-            return None
-        parts.append(piece)
-    return b"".join(parts)
-
-
 async def _message(request: web.Request) -> web.StreamResponse:
-    rt = request.app[RUNTIME]
+    srv = request.app[SERVED]
     path = request.path
     classes, limit = ROUTES[path]
     if request.content_length is not None and request.content_length > limit:
@@ -90,7 +89,7 @@ async def _message(request: web.Request) -> web.StreamResponse:
     try:
         parse_request(request.headers)  # no credentials: refused before the body is read
     except AuthError as exc:
-        rt.count("refused_auth")
+        srv.host.count("refused_auth")
         return _error(401, exc.reason)
     if limit > MiB:  # bulk bodies: a few at a time, so junk cannot fill the memory
         async with request.app[BULK_READS]:
@@ -100,17 +99,17 @@ async def _message(request: web.Request) -> web.StreamResponse:
     if body is None:
         return _error(413, f"body exceeds {limit} bytes on {path}")
     try:
-        rid = rt.auth.verify(request.method, path, request.headers, body)
+        rid = srv.auth.verify(request.method, path, request.headers, body)
     except AuthError as exc:
-        rt.count("refused_auth")
+        srv.host.count("refused_auth")
         return _error(401, exc.reason)
 
     def signed(status: int, payload: bytes) -> dict[str, str]:
-        return rt.auth.sign(request.method, path, rid, status, payload)
+        return srv.auth.sign(request.method, path, rid, status, payload)
 
     def refuse(status: int, reason: str) -> web.Response:
         payload = json.dumps({"error": reason}).encode()
-        rt.count("refused_bad_input")
+        srv.host.count("refused_bad_input")
         return web.Response(status=status, body=payload, content_type="application/json",
                             headers=signed(status, payload))
 
@@ -123,47 +122,47 @@ async def _message(request: web.Request) -> web.StreamResponse:
     if envelope.header.sender != rid.sender:
         return refuse(400, "message sender differs from the authenticated sender")
     remote = f"{request.remote}"
-    status, replies, reason = rt.deliver(envelope, remote, rid.sender, len(body))
+    status, replies, reason = srv.host.deliver(envelope, remote, rid.sender, len(body))
     if status >= 400 and not replies:
         return refuse(status, reason)
     payload = b"".join(replies)
     headers = signed(status, payload)
     if len(payload) <= MiB:
-        await rt.bucket.take(len(payload))  # every body we send counts against the cap
+        await srv.bucket.take(len(payload))  # every body we send counts against the cap
         return web.Response(status=status, body=payload, headers=headers,
                             content_type="application/octet-stream")
     response = web.StreamResponse(status=status, headers=headers)
     response.content_type = "application/octet-stream"
     response.content_length = len(payload)
     await response.prepare(request)
-    async for piece in paced(payload, rt.bucket):
+    async for piece in paced(payload, srv.bucket):
         await response.write(piece)
     await response.write_eof()
     return response
 
 
 async def _config(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
+    srv = request.app[SERVED]
     try:
-        rid = rt.auth.verify(request.method, request.path, request.headers, b"")
+        rid = srv.auth.verify(request.method, request.path, request.headers, b"")
     except AuthError as exc:
-        rt.count("refused_auth")
+        srv.host.count("refused_auth")
         return _error(401, exc.reason)
-    payload = json.dumps({"swarm": rt.swarm.name, "options": rt.swarm_options()}).encode()
+    payload = json.dumps(srv.host.swarm_config()).encode()
     return web.Response(body=payload, content_type="application/json",
-                        headers=rt.auth.sign(request.method, request.path, rid, 200, payload))
+                        headers=srv.auth.sign(request.method, request.path, rid, 200, payload))
 
 
 def _open(handler):
     """An open read-only route, unless the configuration closes them (then MAC)."""
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        rt = request.app[RUNTIME]
-        if not rt.open_routes:
+        srv = request.app[SERVED]
+        if not srv.open_routes:
             try:
-                rt.auth.verify(request.method, request.path, request.headers, b"")
+                srv.auth.verify(request.method, request.path, request.headers, b"")
             except AuthError as exc:
-                rt.count("refused_auth")
+                srv.host.count("refused_auth")
                 return _error(401, exc.reason)
         return await handler(request)
 
@@ -171,16 +170,16 @@ def _open(handler):
 
 
 async def _health(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
-    return web.json_response({"ok": True, "phase": rt.phase, "node_id": rt.node_id})
+    srv = request.app[SERVED]
+    return web.json_response(srv.host.health())
 
 
 async def _status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[RUNTIME].status())
+    return web.json_response(request.app[SERVED].host.status())
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    text = dashboard.metrics(request.app[RUNTIME].status())
+    text = dashboard.metrics(request.app[SERVED].host.status())
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
@@ -188,10 +187,10 @@ async def _index(request: web.Request) -> web.Response:
     return web.Response(text=dashboard.PAGE, content_type="text/html", charset="utf-8")
 
 
-def build_app(rt: Runtime) -> web.Application:
-    """The application of one node (the runtime owns its lifecycle)."""
+def build_app(served: Served, checkpoint_root: Callable[[], Path]) -> web.Application:
+    """The application of one node (its driver owns the lifecycle)."""
     app = web.Application(client_max_size=MAX_REPLY)
-    app[RUNTIME] = rt
+    app[SERVED] = served
     app[BULK_READS] = asyncio.Semaphore(MAX_BULK_READS)
     for route in ROUTES:
         app.router.add_post(route, _message)
@@ -200,6 +199,18 @@ def build_app(rt: Runtime) -> web.Application:
     app.router.add_get("/v1/status", _open(_status))
     app.router.add_get("/metrics", _open(_metrics))
     app.router.add_get("/", _open(_index))
-    ckptserve.add_checkpoint_routes(app, lambda: rt.ckroot, rt.auth, rt.node_id,
-                                    on_refused=lambda: rt.count("refused_auth"))
+    host = served.host
+    ckptserve.add_checkpoint_routes(app, checkpoint_root, served.auth, host.node_id,
+                                    on_refused=lambda: host.count("refused_auth"))
     return app
+
+
+async def listen(runner: web.AppRunner, bind: str, port: int) -> int:
+    """Start serving on bind:port (0: any free port); the port bound. A busy or forbidden
+    address is a UserError naming it."""
+    site = web.TCPSite(runner, bind, port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        raise UserError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}") from None
+    return runner.addresses[0][1]

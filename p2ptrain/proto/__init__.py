@@ -1,6 +1,7 @@
-"""The protocol: wire messages, SWIM-like membership, lease-based leader election, gossip
-training (gradient pushes, push-pull averaging) composed with the learner in one `Node`, and
-deterministic in-memory cluster harnesses to test them.
+"""The protocol: wire messages, SWIM-like membership (membership/), lease-based leader
+election, gossip training (gossip/: gradient pushes, push-pull averaging) composed with the
+learner in one `Node`. This module is the one import surface for the drivers (net/, sims/);
+the test harness lives in tests/cluster/.
 
 Pure code (sans-IO): nothing in this package reads the clock, sleeps, uses global random state
 or touches sockets, asyncio, aiohttp or zeroconf. Time and seeded generators are arguments.
@@ -10,6 +11,7 @@ or touches sockets, asyncio, aiohttp or zeroconf. Time and seeded generators are
     actions = ctl.handle(now, Received(addr, data))
 """
 
+from p2ptrain.proto import messages, wire  # noqa: E402  (modules of the surface)
 from p2ptrain.proto.config import LAN, LOCAL, PRESETS, WAN, ProtoConfig
 from p2ptrain.proto.control import Control
 from p2ptrain.proto.errors import LocalProtocolError, RemoteProtocolError
@@ -34,12 +36,24 @@ from p2ptrain.proto.events import (
     StepDone,
     Tick,
 )
+from p2ptrain.proto.gossip.averaging import AveragingPlan, consensus_distance
+from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.messages import (
+    GOSSIP_BODIES,
+    AverageReply,
+    AverageRequest,
+    GradientPush,
+    GradientReply,
+)
+from p2ptrain.proto.gossip.mixer import PlainEncoder
 from p2ptrain.proto.messages import BODY_TYPES, PROTOCOL_VERSION, Body, Envelope, Header, register
 from p2ptrain.proto.node import Node, NodeConfig
 from p2ptrain.proto.records import LeaderView, MemberInfo, Update, differing_keys, fingerprint_of
 from p2ptrain.proto.wire import decode, encode
 
 __all__ = [
+    "GOSSIP_BODIES", "AverageReply", "AverageRequest", "AveragingPlan", "GossipConfig",
+    "GradientPush", "GradientReply", "PlainEncoder", "consensus_distance", "messages", "wire",
     "BODY_TYPES", "LAN", "LOCAL", "PRESETS", "PROTOCOL_VERSION", "WAN", "Action", "Body",
     "Control", "Deliver", "Discovered", "Envelope", "Evaluated", "Event", "Finished",
     "Header", "LeaderChanged", "LeaderView", "Leave", "LocalProtocolError", "MemberDown",

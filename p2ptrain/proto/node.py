@@ -43,6 +43,7 @@ import numpy as np
 
 from p2ptrain.codecs import DEFAULT_CHUNK, CodecError
 from p2ptrain.codecs.kernels import all_finite
+from p2ptrain.options import option
 from p2ptrain.proto import wire
 from p2ptrain.proto.config import ProtoConfig
 from p2ptrain.proto.control import Control
@@ -78,20 +79,34 @@ MAX_PINGS_TIMED = 256  # probes awaiting their ack for the RTT, at most
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
-    """Knobs of a training node beyond the control plane's `ProtoConfig`."""
+    """Knobs of a training node beyond the control plane's `ProtoConfig`: the protocol's part
+    of the [node] section (fields made with `option`) and the [gossip] section. Constants that
+    every driver must agree on (the runtime's outbox, the simulator's network) live here."""
 
-    gossip: GossipConfig = field(default_factory=GossipConfig)  # gradient gossip, averaging
-    # s; an averaging exchange without a reply is given up. Long: on a slow uplink a
-    # snapshot takes a minute, and a reply abandoned after its bytes were sent is waste.
-    average_timeout: float = 90.0
-    min_peers: int = 0  # alive peers to know before the first step ("joining" until then)
-    join_timeout: float = 10.0  # s; train anyway after this long with fewer peers
-    chunk_elems: int = DEFAULT_CHUNK  # elements per codec chunk message
+    gossip: GossipConfig = field(default_factory=GossipConfig)  # [gossip]
+    min_peers: int = option(1, "peers to find before training starts (or after "
+                            "node.join_timeout seconds, alone)", minimum=0)
+    join_timeout: float = option(10.0, "seconds to wait for node.min_peers and for the "
+                                 "leader's checkpoint before training from the local state",
+                                 minimum=0)
+    # Long: on a slow uplink a snapshot takes a minute, and a reply abandoned after its bytes
+    # were sent is waste.
+    average_timeout: float = option(90.0, "seconds after which an averaging exchange without "
+                                    "a reply is given up", minimum=1)
+    bulk_in_flight: int = option(2, "gradient pushes in flight to one peer at once; more are "
+                                 "dropped (back-pressure, not a queue)", minimum=1)
+    chunk_elems: int = option(DEFAULT_CHUNK, "elements per codec chunk message", minimum=1024)
 
     def __post_init__(self) -> None:
         if not (self.average_timeout > 0 and self.join_timeout >= 0 and self.min_peers >= 0
-                and self.chunk_elems >= 1):
+                and self.chunk_elems >= 1 and self.bulk_in_flight >= 1):
             raise ValueError("bad node settings")
+
+    @property
+    def average_request_timeout(self) -> float:
+        """How long a driver lets one averaging request run: a little shorter than the
+        exchange's give-up, so a reply never lands after the exchange was abandoned."""
+        return 0.9 * self.average_timeout
 
 
 class Node:

@@ -47,7 +47,7 @@ class TrainingCluster(harness.Cluster):
                  seeds: str = "all", wire_format: bool = False,
                  observers: Iterable[Any] = ()):
         self.make_learner = make_learner
-        self.node_config = node_config or NodeConfig()
+        self.node_config = node_config or NodeConfig(min_peers=0)
         if isinstance(step_seconds, int | float):
             step_seconds = [float(step_seconds)] * n
         if len(step_seconds) != n or min(step_seconds) <= 0:

@@ -1,0 +1,61 @@
+"""When a running node evaluates, checkpoints and stops: one policy for both drivers (the
+alone loop in solo.py and the networked runtime), so `--steps`, `--duration`, the evaluation
+and checkpoint intervals and the grace period mean the same thing everywhere.
+
+Times are seconds on the driver's monotonic clock, passed in; this file never reads a clock,
+sleeps or touches a file.
+"""
+
+from __future__ import annotations
+
+from p2ptrain.settings import Settings
+
+
+class Housekeeping:
+    """The schedule of evaluations, periodic checkpoints and stopping of one run."""
+
+    def __init__(self, settings: Settings, start: float, first_step: int):
+        self.eval_every = settings.eval.every_seconds  # 0: only at the end
+        self.save_every = settings.checkpoint.every_seconds  # 0: no timed checkpoints
+        self.save_every_steps = settings.checkpoint.every_steps  # 0: none by step count
+        self.max_steps = settings.train.steps  # local steps of this run; 0: no limit
+        self.max_seconds = settings.train.duration  # 0: no limit
+        self.grace = settings.host.grace_seconds
+        self.start, self.first_step = start, first_step
+        self.last_eval = start
+        self.last_save = start  # when the last checkpoint write started
+        self.save_seconds = 0.0  # how long the last checkpoint write took
+
+    def eval_due(self, now: float) -> bool:
+        return self.eval_every > 0 and now - self.last_eval >= self.eval_every
+
+    def evaluated(self, now: float) -> None:
+        self.last_eval = now
+
+    def save_due(self, now: float, step: int) -> bool:
+        """A periodic checkpoint is due after local step `step`."""
+        return bool((self.save_every and now - self.last_save >= self.save_every)
+                    or (self.save_every_steps and step % self.save_every_steps == 0))
+
+    def save_started(self, now: float) -> None:
+        self.last_save = now
+
+    def save_finished(self, seconds: float) -> None:
+        self.save_seconds = seconds
+
+    def stop_reason(self, now: float, step: int) -> str | None:
+        """Why the run's own bounds end it now (None: go on)."""
+        if self.max_steps and step - self.first_step >= self.max_steps:
+            return f"--steps {self.max_steps} reached"
+        if self.max_seconds and now - self.start >= self.max_seconds:
+            return f"--duration {self.max_seconds:g}s reached"
+        return None
+
+    def grace_left(self, now: float, stopping_since: float) -> float:
+        return self.grace - (now - stopping_since)
+
+    def final_save_fits(self, now: float, stopping_since: float, step: int) -> bool:
+        """A last checkpoint is worth writing (steps were taken) and fits in what is left of
+        the grace period (twice the last write's time, plus a second)."""
+        return (step > self.first_step
+                and self.grace_left(now, stopping_since) > 2 * self.save_seconds + 1)

@@ -1,0 +1,128 @@
+"""What every node does before its first step, alone or networked: its identity, the model,
+the corpus, the batch size (from the hardware when not given), the learner, and the newest
+valid local checkpoint to resume from (partial writes removed, damaged ones skipped).
+
+Also the test hook that kills the process mid-checkpoint (`P2PTRAIN_FAULT`). It reads files
+and the hardware; it never opens a socket and keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from p2ptrain import checkpoint
+from p2ptrain.data import load_corpus
+from p2ptrain.errors import UserError
+from p2ptrain.hw import choose_batch, detect
+from p2ptrain.identity import Identity, load_or_create
+from p2ptrain.learner import Learner
+from p2ptrain.models import build_model
+from p2ptrain.proto import MemberInfo
+from p2ptrain.report import Reporter
+from p2ptrain.settings import Settings
+
+
+@dataclass
+class Prepared:
+    """A node ready to train."""
+
+    identity: Identity
+    learner: Learner
+    ckroot: Path  # <state dir>/checkpoints
+    hw: Any  # the detected hardware (None when nothing needed it)
+
+
+def fault_hook(spec: str | None, reporter: Reporter):
+    """Test hook (P2PTRAIN_FAULT=kill-mid-checkpoint:N): SIGKILL this process halfway through
+    writing the weights of its Nth checkpoint, to prove a torn write never loads. Returns a
+    function of the checkpoint's ordinal giving its progress callback (or None)."""
+    if not spec or not spec.startswith("kill-mid-checkpoint:"):
+        return lambda n: None
+    target = int(spec.split(":", 1)[1])
+
+    def for_checkpoint(n: int):
+        if n != target:
+            return None
+
+        def progress(_name: str, done: int, total: int) -> None:
+            if done >= total // 2:
+                reporter.warn(f"fault injection: killing myself mid-checkpoint {n}")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return progress
+
+    return for_checkpoint
+
+
+def env_fault_hook(reporter: Reporter):
+    return fault_hook(os.environ.get("P2PTRAIN_FAULT"), reporter)
+
+
+def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepared:
+    """Identity, learner (resumed from the newest valid local checkpoint) and checkpoint root
+    of the node whose state directory the settings name."""
+    state_dir = Path(settings.host.state_dir).expanduser()
+    identity = load_or_create(state_dir)
+    model = build_model(settings.model_name, settings.model)
+    corpus = load_corpus(settings.data.path, settings.data.holdout_fraction, model.ctx_len + 2)
+    train = settings.train
+    batch, accum = train.batch, train.accum or 1
+    hw = detect() if batch == 0 or not alone else None
+    if batch == 0:
+        batch, auto_accum = choose_batch(hw, model.flops_per_token() * model.ctx_len,
+                                         model.activation_bytes_per_sample(),
+                                         train.target_step_seconds)
+        accum = train.accum or auto_accum
+        micro = f" in {accum} micro-batches" if accum > 1 else ""
+        reporter.info(f"hardware: {hw.device_class}, {hw.cpus:g} cores, "
+                      f"{hw.memory_bytes / 2**30:.1f} GiB usable, {hw.matmul_gflops:.0f} GFLOP/s "
+                      f"matmul -> batch {batch}{micro}",
+                      event="hardware", batch=batch, accum=accum, **hw.as_dict())
+    if batch % accum:
+        raise UserError(f"batch {batch} is not a multiple of train.accum {accum}")
+    learner = Learner(model, identity.node_id, train, corpus, batch, accum,
+                      settings.eval.windows)
+    reporter.info(
+        f"node {identity.node_id[:12]} (incarnation {identity.incarnation}) training "
+        f"{model.name} ({model.space.n_params / 1e6:.2f}M parameters) on {corpus.name} "
+        f"({corpus.train.size:,} training / {corpus.heldout.size:,} held-out bytes)"
+        + (", alone" if alone else ""), event="start", node_id=identity.node_id,
+        model=model.name, params=model.space.n_params, batch=batch)
+
+    ckroot = state_dir / "checkpoints"
+    for stale in checkpoint.stale_temporaries(ckroot):
+        reporter.warn(f"removing partial checkpoint {stale.name} left by an interrupted write")
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        found = checkpoint.find_latest(ckroot, learner.fingerprint)
+    except checkpoint.CheckpointMismatch as exc:
+        raise UserError(str(exc)) from None
+    for reason in found.skipped:
+        reporter.warn(f"skipping checkpoint: {reason}")
+    if found.path is not None:
+        try:
+            learner.restore(found.path, found.manifest)
+        except checkpoint.CheckpointError as exc:
+            raise UserError(f"cannot resume: {exc}") from None
+        reporter.info(f"resumed from {found.path.name}: step {learner.step}, "
+                      f"{learner.swarm_samples:,} samples", event="resumed",
+                      checkpoint=str(found.path), step=learner.step)
+    return Prepared(identity, learner, ckroot, hw)
+
+
+def member_info(learner: Learner, hw: Any, addr: str, priority: int,
+                outbound_only: bool) -> MemberInfo:
+    """How this node describes itself to the swarm (fixed for one incarnation): the fields
+    that must match between members (architecture, layout, vocabulary, mode) included."""
+    model = learner.model
+    fields = {"arch": json.dumps(model.arch(), sort_keys=True),
+              "layout": model.space.fingerprint(), "vocab": str(model.vocab_size),
+              "mode": "full"}
+    return MemberInfo(learner.node_id, addr, hw.device_class, float(hw.matmul_gflops),
+                      priority, learner.fingerprint, fields, outbound_only)
