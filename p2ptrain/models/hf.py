@@ -410,9 +410,9 @@ def export_hf(model: RWKV, flat: np.ndarray, out_dir: str | os.PathLike,
                     os.fsync(f.fileno())
             else:
                 _write_durably(tmp / TOKENIZER_FILE, json.dumps(tok_doc).encode())
+            # no model_max_length: an RNN has none (ctx_len is only our training window)
             _write_durably(tmp / TOKENIZER_CONFIG_FILE, json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast",
-                 "model_max_length": model.ctx_len}, indent=2).encode())
+                {"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2).encode())
             written += [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
         fsync_dir(tmp)
         if out.exists():
