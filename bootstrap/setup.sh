@@ -88,7 +88,16 @@ if [ -n "$extras" ] && [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&
   fi
 fi
 
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" --upgrade pip
+if [ "$extras" = "[test]" ]; then
+  # The tests include the Hugging Face interop (extra [hf]: torch, transformers). torch goes
+  # first, by exact version: 2.13.0 is the CPU build; installed before the extra, it satisfies
+  # the extra's pin, so pip never resolves a multi-GB CUDA build of its own.
+  say "installing torch 2.13.0 (CPU build) for the Hugging Face interop tests"
+  "${pip[@]}" torch==2.13.0
+  extras="[test,hf]"
+fi
 say "installing p2ptrain$extras (numpy, aiohttp, zeroconf, cryptography, xxhash, safetensors)"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$repo$extras"
+"${pip[@]}" -e "$repo$extras"
 say "done: $("$venv/bin/p2ptrain" --version). Start training with: $venv/bin/p2ptrain join"

@@ -24,6 +24,9 @@ import xxhash
 DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64,
           "I32": np.int32, "U8": np.uint8}
 DTYPE_NAMES = {np.dtype(v).str: k for k, v in DTYPES.items()}
+# Dtypes numpy lacks, read as their raw bits and never written: a bfloat16 is the top half of
+# a float32's bits, so a reader widens the uint16 words itself.
+RAW_DTYPES = {"BF16": np.uint16}
 MAX_HEADER_BYTES = 100 * 2**20
 WRITE_PIECE = 1 << 20
 
@@ -68,6 +71,11 @@ class ChunkHasher:
         return FileDigest(self.size, self.chunk_size, self.digests)
 
 
+def storage_dtype(name: str) -> np.dtype:
+    """The numpy dtype a tensor of safetensors dtype `name` is read into."""
+    return np.dtype(DTYPES[name] if name in DTYPES else RAW_DTYPES[name])
+
+
 def _bytes_of(array: np.ndarray) -> memoryview:
     if not array.flags.c_contiguous:
         raise ValueError("tensors are written from contiguous views")
@@ -81,8 +89,10 @@ def write_safetensors(
     chunk_size: int,
     progress: Callable[[int, int], None] | None = None,
 ) -> FileDigest:
-    """Write `tensors` (name, contiguous array) to `path`, fsync it, and return its digest.
+    """Write `tensors` (name, array) to `path`, fsync it, and return its digest.
 
+    Contiguous arrays are written from their memory; any other (a transposed view) is copied
+    when its turn comes, so at most one tensor is ever copied at a time.
     `progress(bytes_written, total_bytes)` is called after each tensor."""
     tensors = list(tensors)
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
@@ -104,7 +114,7 @@ def write_safetensors(
         hasher.update(memoryview(head))
         written = len(head)
         for _name, arr in tensors:
-            data = _bytes_of(arr)
+            data = _bytes_of(np.ascontiguousarray(arr))
             for start in range(0, len(data), WRITE_PIECE):
                 piece = data[start : start + WRITE_PIECE]
                 f.write(piece)
@@ -143,7 +153,8 @@ def read_header(f) -> tuple[dict, int]:
             ):
                 raise SafetensorsError("__metadata__ must map strings to strings")
             continue
-        if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+        if not isinstance(entry, dict) or (entry.get("dtype") not in DTYPES
+                                           and entry.get("dtype") not in RAW_DTYPES):
             raise SafetensorsError(f"tensor {name!r}: bad entry or dtype")
         shape, offs = entry.get("shape"), entry.get("data_offsets")
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
@@ -151,7 +162,7 @@ def read_header(f) -> tuple[dict, int]:
         if not (isinstance(offs, list) and len(offs) == 2
                 and all(isinstance(o, int) for o in offs) and 0 <= offs[0] <= offs[1] <= data_size):
             raise SafetensorsError(f"tensor {name!r}: data offsets {offs!r} out of range")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[entry["dtype"]]).itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * storage_dtype(entry["dtype"]).itemsize
         if offs[1] - offs[0] != nbytes:
             raise SafetensorsError(f"tensor {name!r}: offsets do not match shape {shape}")
         spans.append((offs[0], offs[1]))
@@ -174,7 +185,7 @@ def read_into(f, header: dict, data_start: int, targets: dict[str, np.ndarray]) 
         raise SafetensorsError(f"missing tensors: {', '.join(missing[:5])}")
     for name, dest in targets.items():
         entry = header[name]
-        if np.dtype(DTYPES[entry["dtype"]]) != dest.dtype or tuple(entry["shape"]) != dest.shape:
+        if storage_dtype(entry["dtype"]) != dest.dtype or tuple(entry["shape"]) != dest.shape:
             raise SafetensorsError(
                 f"tensor {name!r} is {entry['dtype']} {entry['shape']}, "
                 f"expected {DTYPE_NAMES.get(dest.dtype.str, dest.dtype)} {list(dest.shape)}"

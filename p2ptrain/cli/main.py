@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "with where each value came from")
     show.add_argument("--config", help="TOML configuration file [env P2PTRAIN_CONFIG]")
     _add_option_flags(show, JOIN_KEYS)
+
+    from p2ptrain.cli.modelcmds import add_export_parser
+
+    add_export_parser(sub)
     return p
 
 
