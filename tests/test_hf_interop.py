@@ -35,7 +35,7 @@ from p2ptrain.models.hf import (
 )
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
 from p2ptrain.sample import generate
-from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers import REPO, cli_env, run_cli
 
 TOL = 1e-4  # max abs logit difference allowed between our forward and HF's
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, context_length=16,
