@@ -74,11 +74,16 @@ fi
 
 if [ -n "$extras" ] && [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
   # the multi-host tests build hosts from network namespaces: ip, iptables (as root only;
-  # without root they skip, with a reason); the docker/ tests lint shell scripts: shellcheck
+  # without root they skip, with a reason); the docker/ tests lint shell scripts: shellcheck;
+  # the real-engine test (tests/test_docker_engine.py) starts Debian's Docker engine itself
+  # (docker.io: dockerd, containerd, runc and the docker CLI; no service is started) and
+  # builds its base image offline from the Debian mirror: debootstrap
   missing=""
   command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
   command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
   command -v shellcheck >/dev/null 2>&1 || missing="$missing shellcheck"
+  command -v dockerd >/dev/null 2>&1 || missing="$missing docker.io"
+  command -v debootstrap >/dev/null 2>&1 || missing="$missing debootstrap"
   if [ -n "$missing" ]; then
     say "installing test tools:$missing"
     # shellcheck disable=SC2086  # word splitting of the package list is intended
