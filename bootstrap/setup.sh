@@ -3,7 +3,10 @@
 # working p2ptrain install in a virtual environment (Debian and Pi OS refuse system-wide pip).
 #
 #   bootstrap/setup.sh            install p2ptrain into ./.venv
-#   bootstrap/setup.sh --test     the same, plus the test tools (pytest, hypothesis, ruff, ...)
+#   bootstrap/setup.sh --test     the same, plus the test tools (pytest, hypothesis, ruff, ...),
+#                                 CPU torch 2.13.0 and transformers (extra [hf]) and, as root,
+#                                 system packages the tests use (iproute2, iptables, shellcheck,
+#                                 docker.io, debootstrap) -- it says which before installing
 #   bootstrap/setup.sh --venv DIR use another environment directory
 #
 # Then run: .venv/bin/p2ptrain join
@@ -13,7 +16,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$repo/.venv"
 extras=""
 
-usage() { sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -74,11 +77,16 @@ fi
 
 if [ -n "$extras" ] && [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
   # the multi-host tests build hosts from network namespaces: ip, iptables (as root only;
-  # without root they skip, with a reason); the docker/ tests lint shell scripts: shellcheck
+  # without root they skip, with a reason); the docker/ tests lint shell scripts: shellcheck;
+  # the real-engine test (tests/test_docker_engine.py) starts Debian's Docker engine itself
+  # (docker.io: dockerd, containerd, runc and the docker CLI; no service is started) and
+  # builds its base image offline from the Debian mirror: debootstrap
   missing=""
   command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
   command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
   command -v shellcheck >/dev/null 2>&1 || missing="$missing shellcheck"
+  command -v dockerd >/dev/null 2>&1 || missing="$missing docker.io"
+  command -v debootstrap >/dev/null 2>&1 || missing="$missing debootstrap"
   if [ -n "$missing" ]; then
     say "installing test tools:$missing"
     # shellcheck disable=SC2086  # word splitting of the package list is intended

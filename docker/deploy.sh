@@ -4,25 +4,34 @@
 #   deploy.sh build [ARG...]        build the image for linux/amd64 and linux/arm64 (buildx;
 #                                   ARGs go to docker buildx build)
 #   deploy.sh push                  build both platforms and push them to $REGISTRY
-#   deploy.sh init [NAME]           create a swarm (p2ptrain init) and the Docker secret
-#                                   p2ptrain_token from its join token
+#   deploy.sh init [NAME]           make this Docker a swarm manager (docker swarm init) if
+#                                   it is in no swarm yet, create a p2ptrain swarm
+#                                   (p2ptrain init) and the Docker secret p2ptrain_token
+#                                   from its join token
 #   deploy.sh join TOKEN MANAGER    make this machine a Docker Swarm worker (TOKEN: from
 #                                   `docker swarm join-token worker` on the manager)
 #   deploy.sh label NODE CLASS      let NODE train; CLASS: rpi, laptop, desktop or server
 #   deploy.sh unlabel NODE          take NODE out of training
-#   deploy.sh deploy                deploy (or update) the stack
+#   deploy.sh deploy [ARG...]       deploy (or update) the stack (ARGs go to docker stack
+#                                   deploy, e.g. --resolve-image never for a local image)
 #   deploy.sh status [HOST:PORT]    the stack's tasks, then one node's view of the swarm
-#   deploy.sh logs [SERVICE] [ARG...]  the service's logs (ARGs go to docker service logs, -f)
+#   deploy.sh logs [SERVICE] [ARG...]  the service's last 200 lines (SERVICE: node); -f
+#                                   follows them (ARGs go to docker service logs)
 #   deploy.sh fetch [DIR [HOST:PORT]]  download the leader's latest checkpoint into DIR (.)
 #   deploy.sh rm                    remove the stack (volumes, secret and labels stay)
 #
-# Environment: REGISTRY (e.g. registry.example.org:5000/team), TAG (latest), IMAGE (default
-# $REGISTRY/p2ptrain:$TAG), STACK (p2ptrain), OVERLAY=1 (use stack-overlay.yml: no host
-# networking, DNS seeds), SWARM_DIR (docker/swarm: swarm key and token), DRY_RUN=1 (print
-# the docker commands instead of running them).
+#   deploy.sh scale [SERVICE] N     explains how to run on N machines: label them
 #
-# There is no `scale`: p2ptrain runs as a *global* service, one task on every node labelled
-# p2ptrain=true, and global services cannot be scaled. Choose the machines with labels.
+# Environment: REGISTRY (e.g. registry.example.org:5000/team), TAG (latest), IMAGE (default
+# $REGISTRY/p2ptrain:$TAG; the stack files read it as P2PT_IMAGE), STACK (p2ptrain),
+# OVERLAY=1 (use stack-overlay.yml: no host networking, DNS seeds), SWARM_DIR (docker/swarm:
+# swarm key and token), ADVERTISE_ADDR (for `init`: the address other machines reach this
+# manager at, when docker swarm init cannot choose one), DRY_RUN=1 (print the docker
+# commands instead of running them). DOCKER_HOST and the other docker CLI variables apply.
+#
+# `scale` scales nothing: p2ptrain runs as a *global* service, one task on every node
+# labelled p2ptrain=true, and global services cannot be scaled. Choose the machines with
+# labels.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -94,6 +103,22 @@ cmd_push() {
   cmd_build --push
 }
 
+# This Docker's swarm state: inactive, pending, active, error or locked (docker info).
+swarm_state() { docker info --format '{{.Swarm.LocalNodeState}}' 2>/dev/null || true; }
+
+# Make this Docker a swarm manager unless it is in a swarm already (as a manager or a
+# worker). DRY_RUN prints the command without asking Docker.
+swarm_init() {
+  local state=inactive
+  [ "$DRY_RUN" = 1 ] || state=$(swarm_state)
+  [ -n "$state" ] || die "init: cannot reach Docker (docker info failed; DOCKER_HOST?)"
+  [ "$state" = inactive ] || return 0
+  if ! run docker swarm init ${ADVERTISE_ADDR:+--advertise-addr "$ADVERTISE_ADDR"}; then
+    die "init: docker swarm init failed; if it could not choose an address, give the one" \
+      "the other machines reach this one at: ADVERTISE_ADDR=192.168.1.10 $prog init ..."
+  fi
+}
+
 cmd_init() {
   local name=${1:-p2ptrain}
   local dir key token_file
@@ -106,6 +131,7 @@ cmd_init() {
   [ ! -e "$token_file" ] || die "init: $token_file exists (a swarm was made here already);" \
     "remove it or set SWARM_DIR"
   [ ! -e "$key" ] || die "init: $key exists; choose another NAME or SWARM_DIR"
+  swarm_init
   [ "$DRY_RUN" = 1 ] || { mkdir -p "$dir" && chmod 700 "$dir"; }
   # The image's p2ptrain writes swarm.toml and swarm.key (mode 0600) as this user.
   run docker run --rm --network none --user "$(id -u):$(id -g)" -v "$dir:/swarm" \
@@ -152,10 +178,10 @@ cmd_unlabel() {
 }
 
 cmd_deploy() {
-  [ $# -eq 0 ] || die "usage: $prog deploy (no arguments; see --help for the environment)"
   # The stack files read the image and the stack's name (for DNS seeds) from the environment.
-  run env P2PTRAIN_IMAGE="$IMAGE" STACK="$STACK" \
-    docker stack deploy --with-registry-auth -c "$(stack_file)" "$STACK"
+  # Extra arguments (more -c files, --resolve-image, --prune) go to docker stack deploy.
+  run env P2PT_IMAGE="$IMAGE" STACK="$STACK" \
+    docker stack deploy --with-registry-auth -c "$(stack_file)" "$@" "$STACK"
 }
 
 cmd_status() {
@@ -195,6 +221,38 @@ cmd_fetch() {
     --entrypoint p2ptrain "$IMAGE" checkpoint fetch --out /out ${peer_args[@]+"${peer_args[@]}"}
 }
 
+# Global services cannot be scaled: say how to get N machines training instead, and which
+# machines are labelled now (when a swarm manager answers). Always fails (exit 2).
+cmd_scale() {
+  local service=node count class=CLASS c labelled="" machines=""
+  case $# in
+    1) count=$1 ;;
+    2) service=$1; count=$2 ;;
+    *) die "usage: $prog scale [SERVICE] N; p2ptrain is a global service: global services" \
+         "cannot be scaled, label machines instead (\`$prog label NODE CLASS\`)" ;;
+  esac
+  case "$count" in *=*) service=${count%%=*}; count=${count#*=} ;; esac
+  # `scale worker-rpi 20`: the class the service name mentions
+  for c in $CLASSES; do case "$service" in *"$c"*) class=$c ;; esac; done
+  if [ "$DRY_RUN" != 1 ] && command -v docker >/dev/null 2>&1 &&
+     [ "$(docker info --format '{{.Swarm.ControlAvailable}}' 2>/dev/null)" = true ]; then
+    machines=$(docker node ls --format '{{.Hostname}}' 2>/dev/null | xargs)
+    labelled=$(docker node ls -q --filter node.label=p2ptrain=true 2>/dev/null |
+      xargs -r docker node inspect --format '{{.Description.Hostname}}' | xargs)
+  fi
+  cat >&2 <<EOT
+$prog: cannot scale $service to $count: p2ptrain runs as a global service, exactly one
+task on every machine labelled p2ptrain=true, and global services cannot be scaled.
+To train on $count machines, label that many (one p2ptrain node each):
+  the swarm's machines:  docker node ls
+  add a machine:         $prog label NODE $class   (CLASS: ${CLASSES// /, })
+  take one out:          $prog unlabel NODE
+EOT
+  [ -z "$machines" ] || printf 'Machines: %s\nLabelled now: %s\n' "$machines" \
+    "${labelled:-none}" >&2
+  exit 2
+}
+
 cmd_rm() {
   [ $# -eq 0 ] || die "usage: $prog rm"
   run docker stack rm "$STACK"
@@ -216,7 +274,6 @@ case "$command" in
   logs) need_docker; cmd_logs "$@" ;;
   fetch) need_docker; cmd_fetch "$@" ;;
   rm) need_docker; cmd_rm "$@" ;;
-  scale) die "p2ptrain is a global service: one task on every node labelled p2ptrain=true;" \
-    "global services cannot be scaled. Add machines with \`$prog label NODE CLASS\`" ;;
+  scale) cmd_scale "$@" ;;
   *) die "unknown command '$command' (try $prog --help)" ;;
 esac
