@@ -12,7 +12,7 @@ import numpy as np
 
 from p2ptrain import checkpoint
 from p2ptrain.checkpoint.safetensors_io import SafetensorsError
-from p2ptrain.cli.args import flags_of, resolve_config
+from p2ptrain.cli.args import flags_of, resolve_checkpoint, resolve_config
 from p2ptrain.config import ConfigError, to_toml
 from p2ptrain.data import DataError
 from p2ptrain.errors import UserError
@@ -54,21 +54,6 @@ def cmd_config_show(args) -> int:
     return 0
 
 
-def _resolve_checkpoint(path: Path) -> tuple[Path, dict]:
-    """A checkpoint directory, or the newest valid one under a state or checkpoints dir."""
-    if (path / checkpoint.store.MANIFEST_FILE).exists():
-        return path, checkpoint.read_manifest(path)
-    for root in (path / "checkpoints", path):
-        for candidate in checkpoint.list_checkpoints(root):
-            try:
-                return candidate, checkpoint.read_manifest(candidate)
-            except checkpoint.CheckpointError:
-                continue
-    if not path.exists():
-        raise UserError(f"checkpoint path {path} does not exist")
-    raise UserError(f"no valid checkpoint found at {path}")
-
-
 def cmd_sample(args) -> int:
     from p2ptrain.models import model_from_arch
     from p2ptrain.sample import generate
@@ -77,7 +62,7 @@ def cmd_sample(args) -> int:
         raise UserError("--length must be >= 0")
     if args.temperature < 0:
         raise UserError("--temperature must be >= 0")
-    path, manifest = _resolve_checkpoint(Path(args.checkpoint).expanduser())
+    path, manifest = resolve_checkpoint(Path(args.checkpoint).expanduser())
     try:
         model = model_from_arch(manifest.get("arch"))
     except ValueError as exc:

@@ -77,6 +77,7 @@ class Control:
         self.config = config
         self.me = me
         self.now = _check_time(now, -math.inf)
+        self._wake: float | None = None  # the deadline asked for after the last event
         self.membership = Membership(config, me, incarnation, now, rng)
         self.election = Election(config, me, now, term_floor)
         self.stopped = False
@@ -162,11 +163,17 @@ class Control:
             raise LocalProtocolError(f"unknown event {event!r}")
         if kind is Progress:
             self._check_progress(event)
+        # Woken (or handed a message) more than a lease after the deadline we asked for: the
+        # process was paused (SIGSTOP, a suspended laptop, a stalled loop). What we knew of the
+        # leader is stale: learn whether it lives before claiming, and lead nothing meanwhile.
+        resumed = self._wake is not None and now - self._wake > self.config.lease
         self.now = now
         if self.stopped:
             return []
         msgs: list[Out | ToAll] = []
         actions: list[Action] = []
+        if resumed:
+            self.election.resumed(now, actions)
         if kind is Received:
             self._received(now, event, msgs, actions)
         elif kind is Tick:
@@ -184,6 +191,8 @@ class Control:
             self.stopped = True
         if msgs:
             self._emit(msgs, actions)
+        deadline = self.next_deadline()  # a deadline already past means "call me at once"
+        self._wake = None if deadline is None else max(deadline, now)
         return actions
 
     def wrap(self, to: str | None, addr: str, body: Body, reply: bool = False) -> Send:

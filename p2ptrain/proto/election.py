@@ -103,6 +103,21 @@ class Election:
         if v is not None and not self.leading and v.leader == sender and v.term == term:
             self.lease_until = min(self.lease_until, now)  # lapse now: claims start at once
 
+    def resumed(self, now: float, actions: list[Action]) -> None:
+        """The driver ran nothing for longer than a lease (the process was paused): our view
+        is stale. A follower gives the leader a fresh lease to show itself before its lapse
+        leads to a claim -- heartbeats queued meanwhile, or the next ones, renew it -- so a
+        waking node learns whether the leader lives instead of taking over (and if it does
+        not, the ranks, priority first, decide who claims). A leader steps down at once,
+        without a word and without a checkpoint in its old term: another may lead by now; if
+        none does, it claims again, in a higher term, once its lease runs out."""
+        if self.leading:
+            self.leading = False
+            self.lapse_reported = True
+            actions.append(LeaderChanged(self.term, None))
+        self.lease_until = max(self.lease_until, now + self.config.lease)
+        self.claim_at = None
+
     def progress(self, now: float, step: int, swarm_samples: int, finished: bool,
                  actions: list[Action]) -> None:
         self.step, self.swarm_samples = step, swarm_samples

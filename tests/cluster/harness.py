@@ -47,6 +47,7 @@ from p2ptrain.proto.events import (
 )
 from p2ptrain.proto.records import MemberInfo, fingerprint_of
 
+RESUME_READ_DELAY = 0.001  # s from resuming to handling the first waiting message
 FIELDS = {"model": "mlp", "layout": "0123456789abcdef", "vocab": "65", "mode": "full"}
 _DELIVER, _WAKE, _CALL, _TRAIN = 0, 1, 2, 3
 
@@ -77,6 +78,7 @@ class Slot:
     group: int = 0  # partition group
     wake_at: float | None = None
     steps_per_second: float = 4.0
+    paused_until: float = 0.0  # SIGSTOP: nothing runs until then; messages wait for it
     step: int = 0
     lives: list[list[float]] = field(default_factory=list)  # [start, end or inf]
 
@@ -155,7 +157,9 @@ class Cluster:
                 self._deliver(entry[3], entry[4], entry[5])
             elif kind == _WAKE:
                 node = self.nodes[entry[3]]
-                if node.generation == entry[4] and node.wake_at == entry[5]:
+                if node.paused_until > self.now:  # a stopped process wakes late
+                    self._push(node.paused_until, _WAKE, *entry[3:])
+                elif node.generation == entry[4] and node.wake_at == entry[5]:
                     node.wake_at = None
                     self._handle(node, Tick())
             elif kind == _CALL:
@@ -212,6 +216,11 @@ class Cluster:
                 self.nodes[i].group = g
         for obs in self.observers:
             obs.on_partition(self)
+
+    def pause(self, i: int, seconds: float) -> None:
+        """Stop node i (as SIGSTOP) for `seconds`: its timers fire and the messages sent to it
+        are handled only when it resumes, in the order they arrived; it makes no progress."""
+        self.nodes[i].paused_until = self.now + seconds
 
     def heal(self) -> None:
         self.partition(())
@@ -317,6 +326,11 @@ class Cluster:
         if not node.up or node.group != self.nodes[src].group or (
                 self.blocked and (src, dst) in self.blocked):
             return
+        if node.paused_until > self.now:  # waits in the socket buffer; on resuming, the
+            # overdue timers run first (an event loop's timers fire before a request that
+            # arrived meanwhile has been read and parsed), then the waiting messages
+            self._push(node.paused_until + RESUME_READ_DELAY, _DELIVER, dst, payload, src)
+            return
         self.delivered += 1
         for obs in self.observers:
             obs.before_deliver(self, dst, payload)
@@ -325,13 +339,12 @@ class Cluster:
     def _train(self) -> None:
         """Every progress interval each up node steps at its own speed and reports."""
         dt = self.progress_interval
-        for node in self.nodes:
-            if node.up:
-                node.step += max(1, round(node.steps_per_second * dt))
+        running = [n for n in self.nodes if n.up and n.paused_until <= self.now]
+        for node in running:
+            node.step += max(1, round(node.steps_per_second * dt))
         swarm = sum(n.step for n in self.nodes) * 8
-        for node in self.nodes:
-            if node.up:
-                self._handle(node, Progress(node.step, swarm, node.step * 8))
+        for node in running:
+            self._handle(node, Progress(node.step, swarm, node.step * 8))
         self._push(self.now + dt, _TRAIN, None)
 
 

@@ -1,0 +1,63 @@
+"""A process stopped (SIGSTOP) and resumed: it first learns whether the leader lives before it
+claims, and a paused leader writes no checkpoint in its old term after waking (issue 13,
+item 2). In the in-memory harness, with virtual time: a paused node handles nothing until it
+resumes, then its late timers and the messages that waited for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain.proto.config import LOCAL
+from tests.cluster.harness import Cluster
+
+PAUSES = [3.0, 5.0, 12.0]  # seconds; the lease is LOCAL.lease (1 s)
+
+
+def _leader(cluster: Cluster) -> int:
+    leaders = cluster.leaders()
+    assert len(leaders) == 1, leaders
+    return leaders[0]
+
+
+@pytest.mark.parametrize("pause", PAUSES)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_follower_back_from_a_pause_does_not_take_the_lease(seed, pause):
+    cluster = Cluster(5, seed=seed, priorities=[5, 0, 0, 0, 0])
+    cluster.run_until(6.0)
+    leader = _leader(cluster)
+    assert leader == 0
+    term = cluster.control(0).term
+    follower = 3
+    cluster.pause(follower, pause)
+    woke = cluster.now + pause
+    cluster.run_until(woke)
+    claims = []  # (time, term) of every claim the paused node makes after waking
+    cluster.observe(type("Watch", (), {"on_actions": staticmethod(
+        lambda c, i, _e, actions: claims.extend(
+            (c.now, a.term) for a in actions
+            if i == follower and type(a).__name__ == "LeaderChanged"
+            and a.leader == c.nodes[follower].info.node_id))})())
+    cluster.run_until(woke + 5 * LOCAL.lease)
+    assert claims == []
+    assert _leader(cluster) == 0 and cluster.control(0).term == term
+    assert cluster.control(follower).leader == cluster.nodes[0].info.node_id
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_paused_leader_writes_nothing_in_its_old_term_after_waking(seed):
+    cluster = Cluster(5, seed=seed, priorities=[5, 4, 0, 0, 0])
+    cluster.run_until(6.0)
+    assert _leader(cluster) == 0
+    old_term = cluster.control(0).term
+    pause = 6 * LOCAL.lease
+    cluster.pause(0, pause)
+    woke = cluster.now + pause
+    cluster.run_until(woke - 0.01)
+    moved_on = [i for i in cluster.leaders() if i != 0]  # node 0 has not run since
+    assert moved_on == [1]  # the others elected the next best without it
+    cluster.run_until(woke + 5 * LOCAL.lease)
+    late = [(t, a.term) for t, i, a in cluster.checkpoints if i == 0 and t >= woke]
+    assert all(term > old_term for _, term in late), late
+    # one leader in the end, in a term above the old one
+    final = _leader(cluster)
+    assert cluster.control(final).term > old_term
