@@ -9,9 +9,10 @@ Each machine runs one `p2ptrain.proto.node.Node`. The driver performs its action
   when nothing is rescaled), a reply marked as such (it passes NAT), a gradient push marked
   droppable (the outbox's in-flight limit); it is delivered as the same `Envelope` object;
 - `SaveCheckpoint`: the leader's replica and swarm counter are kept as "the latest
-  checkpoint"; a machine that returns after a failure first fetches it (its charged size,
-  over the network, from the leader that wrote it) and then starts a new incarnation from
-  it, as the runtime's join flow does;
+  checkpoint"; `FetchCheckpoint` (a joining node, e.g. a machine back from a failure with
+  nothing of its own) moves it over the network at its charged size from the source the node
+  names, then answers `CheckpointFetched`; `AdoptCheckpoint` loads it -- the runtime's join
+  path, decided by the same node code;
 - the node is woken at `next_deadline()` with `Tick`.
 Discovery: every node is told the addresses of the machines at its own site (mDNS); nodes at
 a NATed site are also given the wired machines of the other sites as static seeds.
@@ -31,7 +32,10 @@ import numpy as np
 
 from p2ptrain.proto import (
     GOSSIP_BODIES,
+    AdoptCheckpoint,
+    CheckpointFetched,
     Discovered,
+    FetchCheckpoint,
     Finished,
     GossipConfig,
     GradientPush,
@@ -47,7 +51,6 @@ from p2ptrain.proto import (
     Tick,
     consensus_distance,
 )
-from p2ptrain.swarmcount import SwarmCount
 from sims.engine import Timer, stream_seed
 from sims.fleet import Member, World, proto_config
 from sims.metrics import Recorder
@@ -68,9 +71,8 @@ def split_params(params: dict) -> tuple[GossipConfig, NodeConfig]:
     if unknown:
         raise ValueError(f"gossip method: unknown knob(s) {', '.join(unknown)}")
     gossip = GossipConfig(**{k: v for k, v in params.items() if k in gossip_fields})
-    # a simulated machine trains as soon as it starts (min_peers 0) unless the method says
-    # otherwise: the simulator models the join itself (a returning machine fetches the
-    # latest checkpoint before its node starts)
+    # a simulated machine waits for no peer count (min_peers 0) unless the method says so;
+    # it still joins as a real node does (FetchCheckpoint before its first step)
     node_knobs = {"min_peers": 0, **{k: v for k, v in params.items() if k in node_fields}}
     node = NodeConfig(gossip=gossip, **node_knobs)
     return gossip, node
@@ -112,6 +114,7 @@ class GossipSim:
         self.machines = [Machine(m) for m in world.members]
         self.checkpoint: Checkpoint | None = None
         self.fetches = 0
+        self.fetched_data: dict[str, Checkpoint] = {}  # CheckpointFetched.path -> checkpoint
         self.finished = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -124,16 +127,13 @@ class GossipSim:
         return local
 
     def start(self, i: int) -> None:
-        """Start machine i (a new incarnation), from the latest checkpoint if there is one."""
+        """Start machine i (a new incarnation, from the initial weights: a machine back from a
+        failure joins by fetching the latest checkpoint, as a real node does)."""
         mach = self.machines[i]
         m = mach.member
         mach.incarnation += 1
         mach.generation += 1
         learner = self.training.learner(m.node_id, m.batch)
-        ckpt = self.checkpoint
-        if ckpt is not None:
-            np.copyto(learner.params, ckpt.params)
-            learner.count = SwarmCount(ckpt.counts)
         seed = stream_seed(self.world.seed, f"node/{i}/{mach.incarnation}")
         mach.rng = random.Random(seed ^ 1)
         mach.node = Node(self.proto, self.world.member_info(m), learner, self.node_config,
@@ -154,28 +154,43 @@ class GossipSim:
             mach.wake.cancel()
 
     def come_back(self, i: int) -> None:
-        """A failed machine returns: fetch the latest checkpoint, then start."""
-        mach = self.machines[i]
-        if mach.node is not None:
-            return
-        ckpt = self.checkpoint
-        source = ckpt.writer if ckpt is not None else None
-        if source is None or self.machines[source].node is None or source == i:
-            self.start(i)
-            return
-        size = self.world.charged.params * 4 + CHECKPOINT_OVERHEAD
-        generation = mach.generation
-        self.fetches += 1
-        self.recorder.sent("checkpoint", size)
-        ok = self.network.send(source, i, size, lambda: self._fetched(i, generation),
-                               reply=True, bulk=True)
-        if not ok:
+        """A failed machine returns: a new incarnation that joins the swarm."""
+        if self.machines[i].node is None:
             self.start(i)
 
-    def _fetched(self, i: int, generation: int) -> None:
+    def fetch(self, i: int, action: FetchCheckpoint) -> None:
+        """Serve a joining node's FetchCheckpoint: the latest checkpoint, at its charged size,
+        from the source it names (answered on arrival; at once when there is none)."""
+        mach, ckpt = self.machines[i], self.checkpoint
+        source = self.world.addr_index.get(action.sources[0])
+        generation = mach.generation
+        if ckpt is None or source is None or self.machines[source].node is None:
+            reason = "no checkpoint yet" if ckpt is None else "source unreachable"
+            answer = CheckpointFetched(None, reason=reason, retry=ckpt is not None)
+            self.engine.after(0.0, self._fetched, i, generation, answer)
+            return
+        size = self.world.charged.params * 4 + CHECKPOINT_OVERHEAD
+        self.fetches += 1
+        self.recorder.sent("checkpoint", size)
+        answer = CheckpointFetched(f"{ckpt.time}", sum(ckpt.counts.values()))
+        self.fetched_data[answer.path] = ckpt
+        ok = self.network.send(source, i, size,
+                               lambda: self._fetched(i, generation, answer),
+                               reply=True, bulk=True)
+        if not ok:
+            self.engine.after(0.0, self._fetched, i, generation, CheckpointFetched(
+                None, reason="transfer refused", retry=True))
+
+    def _fetched(self, i: int, generation: int, answer: CheckpointFetched) -> None:
         mach = self.machines[i]
-        if mach.node is None and mach.generation == generation:
-            self.start(i)
+        if mach.node is not None and mach.generation == generation:
+            self.handle(i, answer)
+
+    def adopt(self, i: int, action: AdoptCheckpoint) -> None:
+        ckpt = self.fetched_data[action.path]
+        learner = self.machines[i].node.learner
+        np.copyto(learner.params, ckpt.params)
+        learner.count.merge(ckpt.counts)
 
     # -- the node's events and actions ---------------------------------------------------
 
@@ -197,6 +212,10 @@ class GossipSim:
                     mach.term_floor = max(mach.term_floor, action.term)
             elif kind is Finished:
                 self.recorder.extra.setdefault("first_finished_at", self.engine.now)
+            elif kind is FetchCheckpoint:
+                self.fetch(i, action)
+            elif kind is AdoptCheckpoint:
+                self.adopt(i, action)
         if mach.node is node:
             self.reschedule(i)
 
@@ -254,14 +273,18 @@ class GossipSim:
     # -- measurement ----------------------------------------------------------------------
 
     def live(self) -> list[Machine]:
-        return [m for m in self.machines if m.node is not None and m.node.phase != "joining"]
+        """Machines whose replicas count: those done joining (a joiner's replica is about to
+        be replaced), or every running one while none is (the swarm's start)."""
+        up = [m for m in self.machines if m.node is not None]
+        joined = [m for m in up if m.node.phase != "joining"]
+        return joined or up
 
     def evaluate(self) -> None:
         live = self.live()
         losses = [self.training.heldout_loss(m.node.learner.params) for m in live]
         distance = consensus_distance([m.node.learner.params for m in live]) if live else None
         self.recorder.point(self.engine.now, losses, distance)
-        if live and all(m.node.phase != "training" for m in live):
+        if live and all(m.node.phase in ("finished", "stopped") for m in live):
             self.recorder.ended_at = self.engine.now
             self.engine.stop()
             return

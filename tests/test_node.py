@@ -59,9 +59,12 @@ def learner(node_id: str, total_samples: int = 100_000) -> Learner:
 def cluster(n: int = 4, *, step_seconds=0.5, total_samples: int = 100_000, seed: int = 3,
             **kwargs) -> TrainingCluster:
     gossip = kwargs.pop("gossip", GossipConfig(fanout=2, average_every=2, averaging="full"))
-    config = NodeConfig(gossip=gossip, min_peers=n - 1, join_timeout=5.0)
+    config = NodeConfig(gossip=gossip, min_peers=n - 1, join_timeout=5.0, join_fetch=False)
     return TrainingCluster(n, seed, lambda i, node_id: learner(node_id, total_samples),
                            node_config=config, step_seconds=step_seconds, **kwargs)
+
+
+ALONE = NodeConfig(min_peers=0, join_fetch=False)  # trains at once, fetches nothing
 
 
 def state(node: Node):
@@ -97,8 +100,7 @@ def gradient_chunk(sender: str, x: np.ndarray, weight: float = BATCH) -> bytes:
 
 def test_run_step_and_step_done_cycle():
     lr = learner(A)
-    node = Node(LOCAL, info(A), lr, NodeConfig(min_peers=0), incarnation=1, now=0.0,
-                rng=random.Random(1))
+    node = Node(LOCAL, info(A), lr, ALONE, incarnation=1, now=0.0, rng=random.Random(1))
     actions = node.handle(0.0, Tick())
     runs = [a for a in actions if type(a) is RunStep]
     assert runs == [RunStep(1)] and node.outstanding == 1
@@ -124,8 +126,7 @@ def test_run_step_and_step_done_cycle():
 
 def test_training_ends_at_the_swarm_total():
     lr = learner(A, total_samples=3 * BATCH)
-    node = Node(LOCAL, info(A), lr, NodeConfig(min_peers=0), incarnation=1, now=0.0,
-                rng=random.Random(1))
+    node = Node(LOCAL, info(A), lr, ALONE, incarnation=1, now=0.0, rng=random.Random(1))
     actions, t = node.handle(0.0, Tick()), 0.0
     while True:
         step = [a for a in actions if type(a) is RunStep]
@@ -186,7 +187,8 @@ def test_averaging_answered_during_a_step_is_applied_when_it_ends():
 
 
 def test_a_joining_node_declines_to_average():
-    config = NodeConfig(min_peers=5, join_timeout=100.0)  # 3 nodes: it stays joining
+    # 3 nodes: it stays joining
+    config = NodeConfig(min_peers=5, join_timeout=100.0, join_fetch=False)
     c = TrainingCluster(3, 3, lambda i, node_id: learner(node_id), node_config=config)
     c.run_until(2.0)
     node, peer = c.training_node(0), c.training_node(1)

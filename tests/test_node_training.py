@@ -37,7 +37,7 @@ def make_learner(corpus, node_id: str, batch: int) -> Learner:
 def run_swarm(corpus, gossip: GossipConfig) -> tuple[TrainingCluster, list[float]]:
     cluster = TrainingCluster(
         NODES, 1, lambda i, node_id: make_learner(corpus, node_id, BATCH),
-        node_config=NodeConfig(gossip=gossip, min_peers=NODES - 1),
+        node_config=NodeConfig(gossip=gossip, min_peers=NODES - 1, join_fetch=False),
         step_seconds=STEP_SECONDS, network=Network(bandwidth=1.25e6), wire_format=True)
     cluster.run_until_finished(max_time=600.0)
     assert cluster.all_finished() and len(cluster.finished_at) == NODES

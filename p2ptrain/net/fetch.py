@@ -58,6 +58,10 @@ class FetchError(Exception):
     """A checkpoint could not be fetched; the one-line message says why."""
 
 
+class NoCheckpoint(FetchError):
+    """The node asked holds no checkpoint (yet): asking it again at once will not help."""
+
+
 class _Retry(Exception):
     """One attempt at a chunk failed in a way the next attempt may not (transport, MAC, hash)."""
 
@@ -370,7 +374,8 @@ async def fetch_latest(session: aiohttp.ClientSession, base_url: str, signer: Si
     except (FetchError, OSError) as exc:
         where = "" if isinstance(exc, FetchError) else f"{out_root}: "
         text = " ".join(f"{where}{exc}".split())[:500]  # one line, whatever a peer sent
-        raise FetchError(f"checkpoint fetch from {base_url}: {text}") from None
+        kind = NoCheckpoint if isinstance(exc, NoCheckpoint) else FetchError
+        raise kind(f"checkpoint fetch from {base_url}: {text}") from None
 
 
 async def _fetch(conn: _Conn, out_root: Path, expected_leader: str | None,
@@ -382,7 +387,7 @@ async def _fetch(conn: _Conn, out_root: Path, expected_leader: str | None,
         raise FetchError(str(exc)) from None
     status, body = answer.status, answer.body
     if status == 404:
-        raise FetchError(f"no checkpoint to fetch ({_reason(body)})")
+        raise NoCheckpoint(f"no checkpoint to fetch ({_reason(body)})")
     if status != 200:
         raise FetchError(f"answer {status} ({_reason(body)})")
     try:

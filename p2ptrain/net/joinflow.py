@@ -1,19 +1,17 @@
-"""Joining: the node's first step is held back until the leader is known and its latest
-checkpoint is fetched and verified (fetch.py), or found unnecessary.
+"""The runtime's side of joining: it performs the node's `FetchCheckpoint` actions and answers
+`CheckpointFetched`. The decisions -- when to fetch, from whom, whether to adopt, when to try
+again -- are the sans-IO node's (p2ptrain/proto/joining.py); this file only moves bytes.
 
-If this node already holds a replica with at least as many swarm samples, it keeps its own
-and catches up by averaging; if the leader has no checkpoint yet, or none answers within
-`node.join_timeout`, it trains from what it has (the initial weights are the same on every
-node: they come from `train.seed`). `JoinFlow` owns the joining state (waiting -> fetching ->
-done) and nothing else: it is told when the leader changes, asks its driver to fetch through
-a callable, and reports the end through another. A driver: sleeps and I/O are allowed here.
+A fetch lands in `<state dir>/fetched/` (verified chunk by chunk, resumable: a partial download
+of the same checkpoint is continued by the next attempt). When the join is over, partial
+downloads and all but the newest fetched checkpoint are removed. A driver: I/O is allowed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,99 +20,75 @@ import aiohttp
 
 from p2ptrain import checkpoint
 from p2ptrain.net.auth import Signer
-from p2ptrain.net.fetch import FetchError, fetch_latest
+from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, NoCheckpoint, fetch_latest
+from p2ptrain.proto import CheckpointFetched, FetchCheckpoint
 
 if TYPE_CHECKING:
-    from p2ptrain.learner import Learner
     from p2ptrain.report import Reporter
 
 FETCHED_DIR = "fetched"  # under the state dir: checkpoints fetched from leaders
-FETCH_DEADLINE = 600.0  # s for the whole join-time fetch (a stalled leader cannot hold us)
+FETCH_DEADLINE = 600.0  # s for one join-time fetch (a stalled leader cannot hold us)
 
 
-class JoinFlow:
-    """Holds the first step back until the leader's checkpoint is in (or not needed)."""
+class JoinFetcher:
+    """Runs one join-time fetch at a time; `answer(CheckpointFetched)` gets its outcome."""
 
-    def __init__(self, timeout: float, own_id: str, addr_of: Callable[[str], str | None],
-                 fetch: Callable[[str, str], Awaitable[str]], on_done: Callable[[str], None]):
-        self.timeout, self.own_id = timeout, own_id
-        self.addr_of = addr_of  # a member's address, None if unknown
-        self.fetch = fetch  # (leader, addr) -> why training starts with the weights it has
-        self.on_done = on_done  # (why) -> None: training may start
-        self.state = "waiting"  # waiting -> fetching -> done
+    def __init__(self, session: aiohttp.ClientSession, signer: Signer, state_dir: Path,
+                 fingerprint: str, io: Executor, answer: Callable[[CheckpointFetched], None],
+                 reporter: Reporter):
+        self.session, self.signer, self.io = session, signer, io
+        self.root = state_dir / FETCHED_DIR
+        self.fingerprint, self.answer, self.reporter = fingerprint, answer, reporter
+        self.manifests: dict[str, dict] = {}  # path -> manifest of what was fetched
         self.task: asyncio.Task | None = None
 
-    @property
-    def holding(self) -> bool:
-        return self.state != "done"
+    def start(self, action: FetchCheckpoint) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run(action))
 
-    def leader_changed(self, leader: str | None) -> None:
-        if self.state != "waiting" or leader is None:
-            return
-        if leader == self.own_id:
-            self.done("this node leads")
-            return
-        addr = self.addr_of(leader)
-        if addr is None:
-            return
-        self.state = "fetching"
-        self.task = asyncio.get_running_loop().create_task(self._fetch(leader, addr))
+    async def _run(self, action: FetchCheckpoint) -> None:
+        self.answer(await self._fetch(action))
 
-    async def run(self) -> None:
-        """Give up waiting for a leader after the join timeout."""
-        await asyncio.sleep(self.timeout)
-        if self.state == "waiting":
-            self.done(f"no leader answered within {self.timeout:g}s")
-
-    def done(self, why: str) -> None:
-        if self.state == "done":
-            return
-        self.state = "done"
-        self.on_done(why)
-
-    async def _fetch(self, leader: str, addr: str) -> None:
-        why = "fetch failed"
+    async def _fetch(self, action: FetchCheckpoint) -> CheckpointFetched:
+        addr = action.sources[0]
+        self.reporter.info(f"fetching the leader's checkpoint from {addr} (attempt "
+                           f"{action.attempt})", event="fetching", leader=action.leader,
+                           addr=addr, attempt=action.attempt)
         try:
-            why = await self.fetch(leader, addr)
-        finally:
-            self.done(why)
-
-
-async def adopt_leader_checkpoint(session: aiohttp.ClientSession, signer: Signer,
-                                  state_dir: Path, learner: Learner, io: Executor,
-                                  replica_replaced: Callable[[], None], reporter: Reporter,
-                                  leader: str, addr: str) -> str:
-    """Fetch the leader's latest checkpoint into `<state_dir>/fetched` and load its weights
-    into `learner` when it is newer than the local replica; says what happened."""
-    root = state_dir / FETCHED_DIR
-    try:
-        reporter.info(f"fetching the leader's checkpoint from {addr}", event="fetching",
-                      leader=leader, addr=addr)
-        path = await asyncio.wait_for(
-            fetch_latest(session, f"http://{addr}", signer, root, expected_leader=leader),
-            FETCH_DEADLINE)
-        manifest = await asyncio.get_running_loop().run_in_executor(
-            io, checkpoint.read_manifest, path)
-        if manifest.get("fingerprint") != learner.fingerprint:
-            why = "the leader's checkpoint is of another model (kept the local weights)"
-        elif manifest["swarm_samples"] <= learner.count.total:
-            why = (f"the local replica is as new as the leader's checkpoint "
-                   f"({learner.count.total:,} swarm samples)")
+            path = await asyncio.wait_for(
+                fetch_latest(self.session, f"http://{addr}", self.signer, self.root,
+                             expected_leader=action.leader), FETCH_DEADLINE)
+            manifest = await asyncio.get_running_loop().run_in_executor(
+                self.io, checkpoint.read_manifest, path)
+        except NoCheckpoint as exc:
+            return CheckpointFetched(None, reason=str(exc), retry=False)
+        except FetchError as exc:
+            reason = str(exc)
+        except TimeoutError:
+            reason = f"the checkpoint did not arrive within {FETCH_DEADLINE:g}s"
+        except checkpoint.CheckpointError as exc:
+            reason = f"the fetched checkpoint is unusable ({exc})"
         else:
-            learner.restore(path, manifest, with_state=False)
-            replica_replaced()
-            why = (f"weights from the leader's checkpoint {path.name} "
-                   f"({manifest['swarm_samples']:,} swarm samples)")
-        for old in checkpoint.list_checkpoints(root)[1:]:
+            if manifest.get("fingerprint") != self.fingerprint:
+                return CheckpointFetched(None, reason="the leader's checkpoint is of another "
+                                         "model", retry=False)
+            self.manifests[str(path)] = manifest
+            return CheckpointFetched(str(path), int(manifest["swarm_samples"]))
+        self.reporter.warn(f"checkpoint fetch failed: {reason}", event="fetch_failed",
+                           attempt=action.attempt)
+        return CheckpointFetched(None, reason=reason, retry=True)
+
+    def clean(self) -> None:
+        """The join is over: drop partial downloads and all but the newest checkpoint."""
+        if not self.root.is_dir():
+            return
+        for partial in self.root.glob(f"{PARTIAL_PREFIX}*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        for old in checkpoint.list_checkpoints(self.root)[1:]:
             shutil.rmtree(old, ignore_errors=True)
-        return why
-    except FetchError as exc:
-        return f"no checkpoint from the leader ({exc}); starting from the local weights"
-    except TimeoutError:
-        return (f"the leader's checkpoint did not arrive within {FETCH_DEADLINE:g}s; "
-                f"starting from the local weights (averaging catches up)")
-    except checkpoint.CheckpointError as exc:
-        return f"the fetched checkpoint is unusable ({exc}); starting from the local weights"
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
 
 
 def read_int(path: Path) -> int:

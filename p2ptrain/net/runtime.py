@@ -3,12 +3,13 @@
 One event loop owns the node and calls `node.handle(now, event)` with its monotonic clock.
 Actions become I/O: Send -> a POST (outbox.py) or the response to the request it answers;
 RunStep -> a step in the step thread (steps.py) -> StepDone; SaveCheckpoint -> a write in the
-I/O thread (saving.py); LeaderChanged -> the led term persisted, the join flow told
-(joinflow.py); Finished -> stop. Around it: the HTTP server (server.py), mDNS and seeds
-(discovery.py), the progress line (progress.py), and the alone loop's schedule of evaluations,
-checkpoints and bounds (housekeeping.py). On SIGINT/SIGTERM: finish the step in flight, resign
-and leave, write the resume state if it fits in the grace period, send the mDNS goodbye, exit
-0; a second signal exits at once. Helpers get narrow callables, never this object.
+I/O thread (saving.py); LeaderChanged -> the led term persisted; FetchCheckpoint -> a fetch
+(joinflow.py) -> CheckpointFetched; AdoptCheckpoint -> the weights loaded; Finished -> stop.
+Around it: the HTTP server (server.py), mDNS and seeds (discovery.py), the progress line
+(progress.py), and the alone loop's schedule of evaluations, checkpoints and bounds
+(housekeeping.py). On SIGINT/SIGTERM: finish the step in flight, resign and leave, write the
+resume state if it fits in the grace period, send the mDNS goodbye, exit 0; a second signal
+exits at once. Helpers get narrow callables, never this object.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.identity import load_or_create
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.discovery import advertised_address, seed_loop, start_mdns
-from p2ptrain.net.joinflow import JoinFlow, adopt_leader_checkpoint, read_int
+from p2ptrain.net.joinflow import JoinFetcher, read_int
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
-from p2ptrain.net.progress import every_second, progress_loop, say_membership
+from p2ptrain.net.progress import every_second, progress_loop, say_leader, say_membership
 from p2ptrain.net.reachability import Reachability
 from p2ptrain.net.saving import Saver
 from p2ptrain.net.server import Served, build_app, listen
@@ -82,22 +83,18 @@ class Runtime:
     def node_id(self) -> str:
         return self.identity.node_id
 
-    def node_addr(self, node_id: str) -> str | None:
-        member = self.node.control.member(node_id)
-        return None if member is None else member[2].addr
-
     @property
     def phase(self) -> str:
         if self._stopping:
             return "stopping"
         if self.node is None:
             return "starting"
-        return "fetching" if self.joining.state == "fetching" else "running"
+        return "fetching" if self.node.join.state == "fetching" else "running"
 
     def health(self) -> dict[str, Any]:
         return {"ok": True, "phase": self.phase, "node_id": self.node_id}
 
-    def swarm_config(self) -> dict[str, Any]:
+    def swarm_config(self) -> dict[str, Any]:  # GET /v1/config
         return {"swarm": self.swarm.name, "options": self.swarm_options}
 
     def status(self) -> dict[str, Any]:
@@ -143,6 +140,12 @@ class Runtime:
                 self.request_stop("the run reached train.total_samples")
             elif kind is proto.RemoteError:
                 self.count("remote_errors")
+            elif kind is proto.FetchCheckpoint:
+                self.fetcher.start(action)
+            elif kind is proto.AdoptCheckpoint:
+                self._adopt(action.path)
+            elif kind is proto.Joined:
+                self._joined(action.reason)
             elif kind in (proto.MemberUp, proto.MemberDown, proto.Refused):
                 say_membership(self.reporter, action)
         self._arm_timer()
@@ -193,15 +196,20 @@ class Runtime:
         if self._switch_pending:  # at a step boundary: the new node asks for its own step
             self._become_outbound_only()
             return
-        self.steps.start(step, hold=self.joining.holding or self._stop.is_set())
+        self.steps.start(step, hold=self._stop.is_set())
 
     def _joined(self, why: str) -> None:
-        """The join flow is done: train, starting with the step held back meanwhile."""
-        self.node.hold = False
+        self.fetcher.clean()  # partial downloads, older fetched checkpoints
         self.reporter.info(f"training starts at step {self.learner.step}: {why}",
                            event="training_starts", reason=why)
-        if not self._stop.is_set():
-            self.steps.release()
+
+    def _adopt(self, path: str) -> None:
+        """Load a fetched checkpoint's weights now (the node decided they are newer)."""
+        try:
+            self.learner.restore(Path(path), self.fetcher.manifests[path], with_state=False)
+        except checkpoint.CheckpointError as exc:
+            self.reporter.warn(f"cannot load the fetched checkpoint ({exc}); training from the "
+                               f"local weights", event="adopt_failed")
 
     def _step_failed(self, exc: BaseException) -> None:
         self.reporter.warn(f"training step failed: {exc!r}", event="step_failed")
@@ -223,27 +231,18 @@ class Runtime:
 
 
     def _leader_changed(self, action: LeaderChanged) -> None:
+        say_leader(self.reporter, action, self.node_id)
         if action.leader == self.node_id:
             atomic_write_bytes(self.state_dir / TERM_FILE, f"{action.term}\n".encode())
-            self.reporter.info(f"leading the swarm (term {action.term})", event="leader",
-                               leader=action.leader, term=action.term)
             self.saver.save(action.term, reason="new leader")
-        elif action.leader is None:
-            self.reporter.info("no leader: lease lapsed", event="leader", leader=None,
-                               term=action.term)
-        else:
-            self.reporter.info(f"leader is {action.leader[:12]} (term {action.term})",
-                               event="leader", leader=action.leader, term=action.term)
-        self.joining.leader_changed(action.leader)
 
-    def _make_node(self) -> Node:
+    def _make_node(self, joined: bool = False) -> Node:
         seed = int.from_bytes(hashlib.sha256(
             f"{self.node_id}/{self.identity.incarnation}".encode()).digest()[:8], "big")
-        node = Node(self.settings.proto(), self.me, self.learner, self.settings.node,
+        return Node(self.settings.proto(), self.me, self.learner, self.settings.node,
                     incarnation=self.identity.incarnation, now=self.now(),
-                    rng=random.Random(seed), term_floor=read_int(self.state_dir / TERM_FILE))
-        node.hold = self.joining.holding  # averaging is declined until the join is done
-        return node
+                    rng=random.Random(seed), term_floor=read_int(self.state_dir / TERM_FILE),
+                    joined=joined)
 
     def _check_reachability(self) -> None:
         """Once a second: peers never reach us although we reach them -> outbound-only at
@@ -269,7 +268,7 @@ class Runtime:
         self.outbox.signer = self.signer
         self.me = dataclasses.replace(self.me, outbound_only=True)
         self.steps.parked = None  # the old node's step; the new node asks for its own
-        self.node = self._make_node()
+        self.node = self._make_node(joined=old.join.done)
         for state, _, info in old.control.members().values():
             if state == "alive":
                 self.handle(proto.Discovered(info.addr))
@@ -333,11 +332,9 @@ class Runtime:
                                   self.outbound_only)
             self.outbox = Outbox.open(self.signer, self.bucket, self.on_frames, reporter,
                                       self.settings.node)
-            fetch = functools.partial(adopt_leader_checkpoint, self.outbox.session, self.signer,
-                                      self.state_dir, self.learner, self.io_pool,
-                                      lambda: self.node.replica_replaced(), reporter)
-            self.joining = JoinFlow(self.settings.node.join_timeout, self.node_id,
-                                    self.node_addr, fetch, self._joined)
+            self.fetcher = JoinFetcher(self.outbox.session, self.signer, self.state_dir,
+                                       self.learner.fingerprint, self.io_pool,
+                                       lambda event: self.handle(event), reporter)
             self.node = self._make_node()
             reporter.info(f"node {self.node_id[:12]} listening on {net.bind}:{port}, "
                           f"advertised as {addr}, swarm {self.swarm.name!r} "
@@ -356,11 +353,11 @@ class Runtime:
                      self.loop.create_task(every_second(self._check_reachability)),
                      self.loop.create_task(progress_loop(self.settings.log.every_seconds,
                                                          self.status, self.now, reporter)),
-                     self.loop.create_task(self.joining.run())]
+]
             await self._stop.wait()
-            for task in [*tasks, self.joining.task]:
-                if task is not None:
-                    task.cancel()
+            for task in tasks:
+                task.cancel()
+            self.fetcher.cancel()
             await self._shutdown()
         finally:
             for s in (signal.SIGINT, signal.SIGTERM):

@@ -17,11 +17,15 @@ from p2ptrain.proto.control import Control
 from p2ptrain.proto.errors import LocalProtocolError, RemoteProtocolError
 from p2ptrain.proto.events import (
     Action,
+    AdoptCheckpoint,
+    CheckpointFetched,
     Deliver,
     Discovered,
     Evaluated,
     Event,
+    FetchCheckpoint,
     Finished,
+    Joined,
     LeaderChanged,
     Leave,
     MemberDown,
@@ -52,6 +56,7 @@ from p2ptrain.proto.records import LeaderView, MemberInfo, Update, differing_key
 from p2ptrain.proto.wire import decode, encode
 
 __all__ = [
+    "AdoptCheckpoint", "CheckpointFetched", "FetchCheckpoint", "Joined",
     "GOSSIP_BODIES", "AverageReply", "AverageRequest", "AveragingPlan", "GossipConfig",
     "GradientPush", "GradientReply", "PlainEncoder", "consensus_distance", "messages", "wire",
     "BODY_TYPES", "LAN", "LOCAL", "PRESETS", "PROTOCOL_VERSION", "WAN", "Action", "Body",

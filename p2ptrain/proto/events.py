@@ -72,6 +72,17 @@ class StepDone(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointFetched(Event):
+    """The driver's answer to `FetchCheckpoint`: the verified checkpoint's location and its
+    swarm sample count, or (path None) why there is none and whether asking again may help."""
+
+    path: str | None  # a verified checkpoint of this swarm's model, or None
+    swarm_samples: int = 0  # the checkpoint's swarm sample count
+    reason: str = ""  # why there is no checkpoint (path None)
+    retry: bool = True  # path None: a transient failure (worth another try, with back-off)
+
+
+@dataclass(frozen=True, slots=True)
 class Evaluated(Event):
     """The driver measured the held-out loss of the replica (for status; training nodes)."""
 
@@ -171,6 +182,32 @@ class Finished(Action):
 
     step: int
     swarm_samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class FetchCheckpoint(Action):
+    """Joining: fetch the swarm's latest checkpoint from `sources` (addresses of members that
+    hold it; the leader's first), verify it, and answer `CheckpointFetched`. Load nothing."""
+
+    leader: str  # node id of the leader whose checkpoint is wanted (signs its manifest)
+    sources: tuple[str, ...]  # addresses to fetch from
+    attempt: int  # 1 for the first try
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptCheckpoint(Action):
+    """Load the weights (not the optimiser state) of the fetched checkpoint at `path` into the
+    learner now, before the next event: it is newer than this node's replica."""
+
+    path: str
+    swarm_samples: int
+
+
+@dataclass(frozen=True, slots=True)
+class Joined(Action):
+    """The join is over: training starts (with adopted weights or the node's own)."""
+
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)

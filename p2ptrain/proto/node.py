@@ -22,6 +22,11 @@ Rules it keeps:
 - Gossip bodies are checked completely *before* the control plane sees their header: a
   malformed one yields `RemoteError` and leaves membership, election, the learner's
   parameters and optimiser state as they were. A caller error raises `LocalProtocolError`.
+- Joining (joining.py): until the join is over the node takes no step, declines averaging
+  and lets nothing it hears move the learner's counters or weights; it asks the driver to
+  `FetchCheckpoint` from the leader and, given `CheckpointFetched`, emits `AdoptCheckpoint`
+  when the checkpoint is newer than the replica it started with (the driver loads it before
+  the next event), then `Joined`.
 - Push targets and averaging partners are members the control plane holds *alive* (never
   suspect or dead) that accept connections (not outbound-only).
 
@@ -50,6 +55,8 @@ from p2ptrain.proto.control import Control
 from p2ptrain.proto.errors import LocalProtocolError, RemoteProtocolError
 from p2ptrain.proto.events import (
     Action,
+    AdoptCheckpoint,
+    CheckpointFetched,
     Deliver,
     Discovered,
     Evaluated,
@@ -67,6 +74,7 @@ from p2ptrain.proto.events import (
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.messages import GOSSIP_BODIES
 from p2ptrain.proto.gossip.trainer import GossipTrainer
+from p2ptrain.proto.joining import Join
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
 from p2ptrain.proto.records import ALIVE, MemberInfo
 
@@ -86,9 +94,18 @@ class NodeConfig:
     gossip: GossipConfig = field(default_factory=GossipConfig)  # [gossip]
     min_peers: int = option(1, "peers to find before training starts (or after "
                             "node.join_timeout seconds, alone)", minimum=0)
-    join_timeout: float = option(10.0, "seconds to wait for node.min_peers and for the "
-                                 "leader's checkpoint before training from the local state",
-                                 minimum=0)
+    join_timeout: float = option(10.0, "seconds to wait for node.min_peers and for a leader "
+                                 "to fetch the swarm's checkpoint from before training from the "
+                                 "local state", minimum=0)
+    join_fetch: bool = option(True, "before the first step, fetch the leader's latest "
+                              "checkpoint and adopt its weights when they are newer")
+    fetch_attempts: int = option(6, "join-time checkpoint fetches tried (each from the leader "
+                                 "of the moment) before training from the local state",
+                                 minimum=1)
+    fetch_backoff: float = option(1.0, "seconds before the second fetch attempt; doubles after "
+                                  "each failure", minimum=0)
+    fetch_backoff_max: float = option(30.0, "longest wait between two fetch attempts, seconds",
+                                      minimum=0)
     # Long: on a slow uplink a snapshot takes a minute, and a reply abandoned after its bytes
     # were sent is waste.
     average_timeout: float = option(90.0, "seconds after which an averaging exchange without "
@@ -114,7 +131,7 @@ class Node:
 
     def __init__(self, proto: ProtoConfig, me: MemberInfo, learner: Learner,
                  config: NodeConfig | None = None, *, incarnation: int, now: float,
-                 rng: random.Random, term_floor: int = 0):
+                 rng: random.Random, term_floor: int = 0, joined: bool = False):
         if learner.node_id != me.node_id:
             raise LocalProtocolError("the learner trains under another node id")
         self.config = config = config or NodeConfig()
@@ -125,11 +142,13 @@ class Node:
                                      np.random.default_rng(rng.getrandbits(64)),
                                      average_timeout=config.average_timeout,
                                      chunk_elems=config.chunk_elems)
-        self.phase = JOINING if config.min_peers > 0 else TRAINING
-        # set by the driver while the replica is about to be replaced (the join-time fetch of
-        # the leader's checkpoint): averaging requests are declined, so no peer is pulled
-        # toward weights this node is about to drop
-        self.hold = False
+        # joining: averaging requests are declined (no peer is pulled toward weights this node
+        # may be about to drop) and nothing received moves the learner's counters or weights
+        self.join = Join(now=now, own_samples=learner.count.total,
+                         timeout=config.join_timeout, attempts=config.fetch_attempts,
+                         backoff=config.fetch_backoff, backoff_max=config.fetch_backoff_max,
+                         enabled=config.join_fetch and not joined)
+        self.phase = JOINING if config.min_peers > 0 or not self.join.done else TRAINING
         self.started = float(now)
         self.outstanding: int | None = None  # step number of the RunStep in flight
         self.loss: float | None = None  # training loss of the last applied step
@@ -161,8 +180,9 @@ class Node:
         if self.phase == STOPPED:
             return None
         deadlines = [self.control.next_deadline(), self.trainer.next_deadline()]
-        if self.phase == JOINING:
-            deadlines.append(self.started + self.config.join_timeout)
+        if self.phase == JOINING:  # the join's own timer, then the wait for min_peers
+            deadlines.append(self.started + self.config.join_timeout if self.join.done
+                             else self.join.next_deadline())
         known = [d for d in deadlines if d is not None]
         return min(known) if known else None
 
@@ -178,6 +198,10 @@ class Node:
             actions = self._step_done(now, event, msgs)
         elif kind is Received:
             actions = self._received(now, event, msgs)
+        elif kind is CheckpointFetched:
+            actions = self.join.fetched(now, event)
+            if any(type(a) is AdoptCheckpoint for a in actions):
+                self.trainer.close()  # queued gradients and exchanges belong to the old replica
         elif kind is Evaluated:
             if not (isinstance(event.eval_loss, numbers.Real) and event.eval_loss >= 0):
                 raise LocalProtocolError("Evaluated.eval_loss must be a number >= 0")
@@ -202,8 +226,17 @@ class Node:
                 body = action.envelope.body
                 if type(body) is Ping and body.target == action.to:
                     self._time_ping(now, body.target, body.seq)
+        if not self.join.done and self.phase == JOINING:
+            actions += self.join.advance(now, self.node_id, self.control.leader, self._addr_of)
         self._maybe_step(now, actions)
         return actions
+
+    def _addr_of(self, node_id: str) -> str | None:
+        """The address of a live member that accepts connections (None otherwise)."""
+        member = self.control.member(node_id)
+        if member is None or member[0] != ALIVE or member[2].outbound_only:
+            return None
+        return member[2].addr
 
     def _time_ping(self, now: float, target: str, seq: int) -> None:
         """Remember when a direct probe left, to time its ack (the RTT in status and in the
@@ -252,7 +285,7 @@ class Node:
                                      busy=self.outstanding is not None,
                                      outbound_sender=known is not None
                                      and known[2].outbound_only, out=msgs,
-                                     decline=self.phase == JOINING or self.hold)
+                                     decline=self.phase == JOINING)
             except CodecError as exc:
                 out.append(RemoteError(event.addr, header.sender, exc.reason))
         return out
@@ -285,8 +318,9 @@ class Node:
         return actions
 
     def _maybe_step(self, now: float, actions: list[Action]) -> None:
-        if self.phase == JOINING and (self._alive_count() >= self.config.min_peers
-                                      or now >= self.started + self.config.join_timeout):
+        if self.phase == JOINING and self.join.done and (
+                self._alive_count() >= self.config.min_peers
+                or now >= self.started + self.config.join_timeout):
             self.phase = TRAINING
         if self.phase != TRAINING or self.outstanding is not None:
             return
@@ -296,13 +330,6 @@ class Node:
             return
         self.outstanding = self.learner.step + 1
         actions.append(RunStep(self.outstanding))
-
-    def replica_replaced(self) -> None:
-        """The driver loaded other weights into the learner (a fetched checkpoint): forget
-        the held averaging half steps, the open exchange and the queued peer gradients, which
-        all belong to the old replica. Call it only while no gradient is being computed (a
-        RunStep the driver has not started yet is fine)."""
-        self.trainer.close()
 
     # -- status -------------------------------------------------------------------------------
 
@@ -326,6 +353,8 @@ class Node:
         mix = trainer.last_mix
         return {
             "node_id": self.node_id, "phase": self.phase, "step": learner.step,
+            "join": {"state": self.join.state, "attempts": self.join.attempt,
+                     "reason": self.join.reason},
             "loss": self.loss, "eval_loss": self.eval_loss, "samples": learner.samples,
             "swarm_samples": learner.count.total, "leader": self.control.leader,
             "term": self.control.term, "is_leader": self.control.is_leader,

@@ -260,6 +260,9 @@ class Cluster:
     def on_action(self, node: Slot, action: Action) -> None:
         """Perform an action the cluster itself does not know (subclasses: RunStep...)."""
 
+    def on_checkpoint(self, node: Slot, action: SaveCheckpoint) -> None:
+        """A node saved a checkpoint (recorded in `checkpoints`; subclasses keep its data)."""
+
     def inject(self, i: int, message: Any, addr: str = "192.0.2.1:7100") -> list[Action]:
         """Hand node i a message directly (bytes or Envelope); returns its actions."""
         return self._handle(self.nodes[i], Received(addr, message), deliver_sends=False)
@@ -280,6 +283,7 @@ class Cluster:
                     self._send(node, action)
             elif type(action) is SaveCheckpoint:
                 self.checkpoints.append((self.now, node.index, action))
+                self.on_checkpoint(node, action)
             elif type(action) is LeaderChanged:
                 if action.leader == node.info.node_id:
                     node.term_floor = max(node.term_floor, action.term)

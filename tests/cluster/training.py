@@ -25,8 +25,19 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from p2ptrain.proto.config import LOCAL, ProtoConfig
-from p2ptrain.proto.events import Action, Finished, RunStep, StepDone
+from p2ptrain.proto.events import (
+    Action,
+    AdoptCheckpoint,
+    CheckpointFetched,
+    FetchCheckpoint,
+    Finished,
+    RunStep,
+    SaveCheckpoint,
+    StepDone,
+)
 from p2ptrain.proto.gossip.averaging import consensus_distance
 from p2ptrain.proto.node import Node, NodeConfig
 from tests.cluster import harness
@@ -47,7 +58,11 @@ class TrainingCluster(harness.Cluster):
                  seeds: str = "all", wire_format: bool = False,
                  observers: Iterable[Any] = ()):
         self.make_learner = make_learner
-        self.node_config = node_config or NodeConfig(min_peers=0)
+        self.node_config = node_config or NodeConfig(min_peers=0, join_fetch=False)
+        self.fetch_seconds = 0.2  # a join-time checkpoint fetch takes this long
+        self.fetch_fails: set[int] = set()  # nodes whose fetches fail (a broken link)
+        self.stored: dict[str, tuple[int, np.ndarray, dict[str, int]]] = {}  # path -> data
+        self.fetches: list[tuple[float, int, FetchCheckpoint]] = []
         if isinstance(step_seconds, int | float):
             step_seconds = [float(step_seconds)] * n
         if len(step_seconds) != n or min(step_seconds) <= 0:
@@ -78,8 +93,40 @@ class TrainingCluster(harness.Cluster):
 
     # -- running ------------------------------------------------------------------------------
 
+    def on_checkpoint(self, node: harness.Slot, action: SaveCheckpoint) -> None:
+        learner = node.machine.learner
+        path = f"ckpt/{node.index}/{action.term}/{action.step}"
+        self.stored[path] = (node.index, learner.params.copy(), learner.count.as_dict())
+
+    def _fetch(self, i: int, generation: int, action: FetchCheckpoint) -> None:
+        """Answer a FetchCheckpoint: the newest checkpoint the leader wrote, fetched from the
+        leader's address (which must be up and reachable), or why not."""
+        node = self.nodes[i]
+        if not node.up or node.generation != generation:
+            return
+        src = self.addr_index.get(action.sources[0])
+        leader_written = [p for p, (w, _, _) in self.stored.items()
+                          if self.nodes[w].info.node_id == action.leader]
+        if i in self.fetch_fails or src is None or not self.nodes[src].up:
+            event = CheckpointFetched(None, reason="connection refused", retry=True)
+        elif not leader_written:
+            event = CheckpointFetched(None, reason="no checkpoint yet", retry=False)
+        else:
+            path = leader_written[-1]
+            event = CheckpointFetched(path, sum(self.stored[path][2].values()))
+        self._handle(node, event)
+
     def on_action(self, node: harness.Slot, action: Action) -> None:
-        if type(action) is RunStep:
+        if type(action) is FetchCheckpoint:
+            self.fetches.append((self.now, node.index, action))
+            i, generation = node.index, node.generation
+            self.at(self.now + self.fetch_seconds, lambda c: c._fetch(i, generation, action))
+        elif type(action) is AdoptCheckpoint:
+            _, params, counts = self.stored[action.path]
+            learner = node.machine.learner
+            np.copyto(learner.params, params)
+            learner.count.merge(counts)
+        elif type(action) is RunStep:
             loss = node.machine.learner.compute_gradient()
             i, generation = node.index, node.generation
             self.at(self.now + self.step_seconds[i],

@@ -163,7 +163,8 @@ class GossipTrainer:
         elif isinstance(body, AverageRequest):
             _, loss = self.peer_progress.get(sender, (0, None))
             self.peer_progress[sender] = (body.step, loss)
-            learner.count.merge(body.counts)
+            if not decline:  # a joiner's counters move only with the replica it adopts
+                learner.count.merge(body.counts)
             self._respond(sender, addr, body, parsed, busy, decline, out)
         elif isinstance(body, AverageReply):
             learner.count.merge(body.counts)

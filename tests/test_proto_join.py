@@ -1,0 +1,131 @@
+"""Joining in the sans-IO node (issue 13, items 1 and 4): a node adopts the leader's newer
+checkpoint before its first step, nothing it hears before that moves its counters, failed
+fetches are retried with back-off from whoever leads then, and a leader without a checkpoint
+is not asked again. In the in-memory training cluster, virtual time."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from p2ptrain.proto import GossipConfig, NodeConfig
+from p2ptrain.proto.events import CheckpointFetched, FetchCheckpoint, Joined
+from p2ptrain.proto.joining import Join
+from tests.cluster.training import TrainingCluster
+from tests.test_node import learner
+
+GOSSIP = GossipConfig(fanout=0, average_every=2, averaging="full")
+JOINING = NodeConfig(gossip=GOSSIP, min_peers=0, join_timeout=3.0, fetch_backoff=0.5,
+                     fetch_backoff_max=4.0)
+
+
+def trained_cluster(n: int = 3, seed: int = 5, until: float = 8.0) -> TrainingCluster:
+    c = TrainingCluster(n, seed, lambda i, node_id: learner(node_id), node_config=JOINING,
+                        step_seconds=0.1)
+    c.run_until(until)
+    assert len(c.leaders()) == 1 and c.stored, "the swarm should lead and checkpoint"
+    return c
+
+
+def test_the_first_nodes_find_no_checkpoint_and_train_without_asking_again():
+    c = trained_cluster()
+    leader = c.leaders()[0]
+    for i in range(3):
+        join = c.training_node(i).join
+        assert join.done
+        if i == leader:
+            assert join.reason == "this node leads" and join.attempt == 0
+        else:
+            assert join.attempt == 1 and "no checkpoint" in join.reason
+    assert all(c.training_node(i).learner.step > 0 for i in range(3))
+
+
+def test_a_fresh_node_adopts_the_leaders_checkpoint_before_its_first_step():
+    c = trained_cluster()
+    leader = c.leaders()[0]
+    joiner = next(i for i in range(3) if i != leader)
+    c.crash(joiner)
+    c.run_for(3.0)
+    c.restart(joiner)  # a new incarnation from the initial weights (no local checkpoint)
+    node = c.training_node(joiner)
+    before = node.learner.count.total
+    assert before == 0 and node.phase == "joining"
+    while not node.join.done:
+        c.run_for(0.05)
+        assert node.learner.step == 0  # no step before the join is over
+        if not node.join.done:  # averaging requests and headers move nothing
+            assert node.learner.count.total == before
+    path = [p for p in c.stored if p.startswith(f"ckpt/{leader}/")][-1]
+    assert node.join.reason.startswith("weights from the leader's checkpoint")
+    _, params, counts = c.stored[path]
+    assert node.learner.count.total >= sum(counts.values()) > 0
+    c.run_for(1.0)
+    assert node.learner.step > 0
+
+
+def test_a_node_with_an_older_replica_adopts_but_a_newer_one_keeps_its_own():
+    assert Join(now=0, own_samples=100, timeout=1, attempts=3, backoff=1, backoff_max=4)
+    for own, adopt in ((100, True), (10_000, False)):
+        join = Join(now=0.0, own_samples=own, timeout=5, attempts=3, backoff=1, backoff_max=4)
+        actions = join.advance(0.0, "me", "leader", lambda _i: "10.0.0.1:7100")
+        assert [type(a) for a in actions] == [FetchCheckpoint]
+        actions = join.fetched(0.5, CheckpointFetched("ck", swarm_samples=5_000))
+        names = [type(a).__name__ for a in actions]
+        assert names == (["AdoptCheckpoint", "Joined"] if adopt else ["Joined"])
+        assert join.done
+
+
+def test_failed_fetches_back_off_and_follow_the_leader_of_the_moment():
+    join = Join(now=0.0, own_samples=0, timeout=5, attempts=4, backoff=1.0, backoff_max=3.0)
+    addrs = {"L1": "10.0.0.1:7100", "L2": "10.0.0.2:7100"}
+    t, sent = 0.0, []
+    leader = "L1"
+    for attempt in range(1, 5):
+        actions = join.advance(t, "me", leader, addrs.get)
+        assert [type(a) for a in actions] == [FetchCheckpoint], (attempt, actions)
+        sent.append((t, actions[0]))
+        actions = join.fetched(t + 0.1, CheckpointFetched(None, reason="refused", retry=True))
+        if attempt == 4:
+            assert [type(a) for a in actions] == [Joined] and "after 4 attempts" in \
+                actions[0].reason
+            break
+        assert actions == [] and join.state == "backoff"
+        assert join.advance(join.retry_at - 0.01, "me", leader, addrs.get) == []
+        t = join.next_deadline()
+        leader = "L2"  # the leader died meanwhile: the next attempt asks the new one
+    gaps = [round(b[0] - a[0] - 0.1, 6) for a, b in zip(sent, sent[1:], strict=False)]
+    assert gaps == [1.0, 2.0, 3.0]  # doubling, capped at fetch_backoff_max
+    assert [a.sources for _, a in sent][1:] == [(addrs["L2"],)] * 3
+
+
+def test_a_leader_without_a_checkpoint_is_not_asked_again():
+    join = Join(now=0.0, own_samples=0, timeout=5, attempts=6, backoff=1, backoff_max=4)
+    join.advance(0.0, "me", "L", lambda _i: "10.0.0.1:7100")
+    actions = join.fetched(0.2, CheckpointFetched(None, reason="no checkpoint", retry=False))
+    assert [type(a) for a in actions] == [Joined] and join.attempt == 1
+
+
+def test_no_leader_at_all_ends_the_join_after_the_timeout():
+    join = Join(now=0.0, own_samples=0, timeout=3, attempts=6, backoff=1, backoff_max=4)
+    assert join.advance(2.9, "me", None, lambda _i: None) == []
+    assert join.next_deadline() == 3.0
+    actions = join.advance(3.0, "me", None, lambda _i: None)
+    assert [type(a) for a in actions] == [Joined] and "within 3s" in actions[0].reason
+
+
+def test_a_restarted_node_retries_through_a_broken_link_then_adopts():
+    c = trained_cluster(seed=7)
+    leader = c.leaders()[0]
+    joiner = next(i for i in range(3) if i != leader)
+    c.crash(joiner)
+    c.fetch_fails.add(joiner)
+    c.restart(joiner)
+    c.run_for(2.5)
+    node = c.training_node(joiner)
+    assert not node.join.done and node.join.attempt >= 2 and node.learner.step == 0
+    c.fetch_fails.clear()
+    c.run_for(6.0)
+    assert node.join.done and node.join.reason.startswith("weights from")
+    assert node.learner.step > 0
+    times = [t for t, i, _ in c.fetches if i == joiner]
+    assert all(b > a for a, b in zip(times, times[1:], strict=False))
+    assert np.isfinite(node.learner.params).all()
