@@ -93,8 +93,9 @@ class Outbox:
             BULK_TIMEOUT if bulk else CONTROL_TIMEOUT, sock_connect=CONNECT_TIMEOUT)
         session = self.session if bulk else self.control_session
         try:
-            async with session.post(f"http://{addr}{route}", data=paced(data, self.bucket),
-                                         headers=headers, timeout=timeout) as resp:
+            body_iter = paced(data, self.bucket, control=not bulk)  # control: its own lane
+            async with session.post(f"http://{addr}{route}", data=body_iter, headers=headers,
+                                    timeout=timeout) as resp:
                 body = await read_limited(resp.content, MAX_REPLY)
                 if body is None:
                     raise RemoteProtocolError("response body too large")

@@ -75,6 +75,7 @@ class Served:
 SERVED: web.AppKey[Served] = web.AppKey("served")
 BULK_READS: web.AppKey[asyncio.Semaphore] = web.AppKey("bulk_reads")
 MAX_BULK_READS = 4  # bulk request bodies being read at once
+BULK_PATHS = ("/v1/gossip", "/v1/average")
 
 def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": reason}, status=status, headers=headers)
@@ -127,15 +128,16 @@ async def _message(request: web.Request) -> web.StreamResponse:
         return refuse(status, reason)
     payload = b"".join(replies)
     headers = signed(status, payload)
+    control = path not in BULK_PATHS  # answers to control messages never queue behind bulk
     if len(payload) <= MiB:
-        await srv.bucket.take(len(payload))  # every body we send counts against the cap
+        await srv.bucket.take(len(payload), control)  # every body we send counts
         return web.Response(status=status, body=payload, headers=headers,
                             content_type="application/octet-stream")
     response = web.StreamResponse(status=status, headers=headers)
     response.content_type = "application/octet-stream"
     response.content_length = len(payload)
     await response.prepare(request)
-    async for piece in paced(payload, srv.bucket):
+    async for piece in paced(payload, srv.bucket, control):
         await response.write(piece)
     await response.write_eof()
     return response
