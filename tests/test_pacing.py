@@ -82,7 +82,7 @@ async def until(what: str, check, timeout: float) -> None:
 
 async def scenario(tmp: Path) -> tuple[float, float, list[float]]:
     host = RecordingHost()
-    served = Served(host, ServerAuth(KEY, RECEIVER), TokenBucket(0), True)
+    served = Served(host, ServerAuth(KEY, RECEIVER, 1), TokenBucket(0), True)
     runner = web.AppRunner(build_app(served, lambda: tmp), access_log=None)
     await runner.setup()
     port = await listen(runner, "127.0.0.1", 0)
