@@ -4,8 +4,9 @@ Which swarm: `--token` (or `--token-file`, e.g. a Docker secret), else the confi
 file's `[swarm]` (name + key file, as `init` writes it), else the public demo swarm. A node
 given only a token first fetches the swarm's configuration from a peer (`GET /v1/config`,
 authenticated) and adopts it; like every MAC request, it is preceded by a hello that tells
-who is at the address (p2ptrain.net.hello). Tools that only look (`status`, `checkpoint fetch`) sign their
-requests with a throw-away identity, so they never collide with a node's replay window.
+who is at the address (p2ptrain.net.hello). Tools that only look (`status`, `checkpoint
+fetch`) sign their requests with a throw-away identity, so they never collide with a node's
+replay window.
 """
 
 from __future__ import annotations
