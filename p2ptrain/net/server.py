@@ -166,7 +166,7 @@ async def read_body(request: web.Request, limit: int, pending: Pending, take,
     the sender's, and is not counted)."""
     loop = asyncio.get_running_loop()
     declared = request.content_length
-    buf = bytearray(declared) if declared is not None else bytearray()
+    buf = bytearray()  # grown as bytes arrive (a pre-sized one is zero-filled: all resident)
     got, waited, start = 0, 0.0, loop.time()
     while True:
         left = start + limits.body_grace + waited + got / limits.min_body_rate - loop.time()
@@ -186,10 +186,7 @@ async def read_body(request: web.Request, limit: int, pending: Pending, take,
         await take(len(piece))
         waited += loop.time() - before
         pending.update(piece)
-        if declared is not None:
-            buf[got : got + len(piece)] = piece
-        else:
-            buf += piece
+        buf += piece
         got += len(piece)
     if declared is not None and got != declared:
         raise BodyError(400, f"body ended after {got} of {declared} bytes")
