@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarmlab import SwarmLab, free_ports, get_json, wait_for
+from tests.swarmlab import SwarmLab, free_ports, wait_for
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
