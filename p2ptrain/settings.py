@@ -104,6 +104,22 @@ class NetConfig:
                          "local (tests)", choices=tuple(PRESETS))
     open_routes: bool = option(True, "serve /v1/status, /metrics and the dashboard without "
                                "authentication (read-only)")
+    max_connections: int = option(512, "connections the HTTP API keeps open at once (also at "
+                                  "most half the open-file limit); idle ones make room for new "
+                                  "ones", minimum=8)
+    max_connections_per_ip: int = option(64, "connections one IP address may keep open at "
+                                         "once", minimum=1)
+    header_timeout: float = option(10.0, "seconds a connection may take to send a request "
+                                   "head", minimum=0.1)
+    idle_timeout: float = option(60.0, "seconds an idle keep-alive connection is kept",
+                                 minimum=0.1)
+    body_grace: float = option(10.0, "seconds of slack a request body gets before it must "
+                               "keep min_body_rate_kib", minimum=0.1)
+    min_body_rate_kib: float = option(8.0, "KiB/s a request body must average after its "
+                                      "grace (slower: 408)", minimum=0.01)
+    body_memory_mib: float = option(64.0, "MiB of gradient and averaging request bodies held "
+                                    "in memory at once, verified or not (one body may exceed "
+                                    "it)", minimum=1)
 
     def seeds(self) -> list[str]:
         """The static seed peers, in the order given."""

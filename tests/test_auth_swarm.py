@@ -11,11 +11,15 @@ import pytest
 from p2ptrain.net.auth import (
     MAC,
     SEQ,
+    TO,
+    VERSION,
     AuthError,
+    Receiver,
     ReplayGuard,
     RequestId,
     ServerAuth,
     Signer,
+    VersionError,
     derive_mac_key,
 )
 from p2ptrain.swarm import (
@@ -29,22 +33,23 @@ from p2ptrain.swarm import (
 )
 
 A, B = "a" * 32, "b" * 32
+TO_B = Receiver(B, 5)
 
 
 def _pair(key: bytes = b"k" * 32) -> tuple[Signer, ServerAuth]:
     mac = derive_mac_key(key)
-    return Signer(mac, A, 3), ServerAuth(mac, B)
+    return Signer(mac, A, 3), ServerAuth(mac, B, 5)
 
 
 def test_a_signed_request_verifies_once_and_its_response_is_bound_to_it():
     signer, server = _pair()
-    rid, headers = signer.sign_request("POST", "/v1/gossip", b"body")
+    rid, headers = signer.sign_request("POST", "/v1/gossip", b"body", to=TO_B)
     assert server.verify("POST", "/v1/gossip", headers, b"body") == rid
     with pytest.raises(AuthError, match="already seen"):
         server.verify("POST", "/v1/gossip", headers, b"body")
     reply = server.sign("POST", "/v1/gossip", rid, 200, b"answer")
     assert signer.check_response("POST", "/v1/gossip", rid, 200, reply, b"answer") == B
-    other, _ = signer.sign_request("POST", "/v1/gossip", b"body")
+    other, _ = signer.sign_request("POST", "/v1/gossip", b"body", to=TO_B)
     for args in [("POST", "/v1/gossip", other, 200, reply, b"answer"),  # another request
                  ("POST", "/v1/gossip", rid, 400, reply, b"answer"),  # another status
                  ("POST", "/v1/gossip", rid, 200, reply, b"answer!"),  # another body
@@ -53,10 +58,11 @@ def test_a_signed_request_verifies_once_and_its_response_is_bound_to_it():
             signer.check_response(*args)
 
 
-@pytest.mark.parametrize("change", ["method", "path", "body", "sender", "seq", "mac", "key"])
+@pytest.mark.parametrize("change", ["method", "path", "body", "sender", "seq", "mac", "key",
+                                    "receiver", "receiver incarnation"])
 def test_any_change_to_a_signed_request_breaks_its_mac(change):
     signer, server = _pair()
-    _, headers = signer.sign_request("POST", "/v1/control", b"ping")
+    _, headers = signer.sign_request("POST", "/v1/control", b"ping", to=TO_B)
     method, path, body = "POST", "/v1/control", b"ping"
     if change == "method":
         method = "GET"
@@ -70,20 +76,73 @@ def test_any_change_to_a_signed_request_breaks_its_mac(change):
         headers[SEQ] = "3.2"
     elif change == "mac":
         headers[MAC] = "0" * 64
+    elif change == "receiver":
+        headers[TO] = f"{A}.5"
+    elif change == "receiver incarnation":
+        headers[TO] = f"{B}.6"
     else:
-        server = ServerAuth(derive_mac_key(b"x" * 32), B)
+        server = ServerAuth(derive_mac_key(b"x" * 32), B, 5)
     with pytest.raises(AuthError):
         server.verify(method, path, headers, body)
 
 
+V, M = {VERSION: "2", TO: f"{B}.5"}, "0" * 64
+
+
 @pytest.mark.parametrize("headers", [
-    {}, {MAC: "00"}, {MAC: "00", "X-P2P-Sender": A, SEQ: "x.1"},
-    {MAC: "00", "X-P2P-Sender": "A" * 32, SEQ: "1.1"}, {MAC: "00", "X-P2P-Sender": A, SEQ: "1"},
-    {MAC: "00", "X-P2P-Sender": A, SEQ: "1." + "9" * 30}])
+    {}, {**V, MAC: M}, {**V, MAC: M, "X-P2P-Sender": A, SEQ: "x.1"},
+    {**V, MAC: M, "X-P2P-Sender": "A" * 32, SEQ: "1.1"}, {**V, MAC: M, "X-P2P-Sender": A, SEQ: "1"},
+    {**V, MAC: M, "X-P2P-Sender": A, SEQ: "1." + "9" * 30},
+    {**V, MAC: "00", "X-P2P-Sender": A, SEQ: "1.1"},
+    {**V, MAC: M, "X-P2P-Sender": A, SEQ: "1.1", TO: B},
+    {**V, MAC: M, "X-P2P-Sender": A, SEQ: "1.1", TO: f"{B}.-1"}])
 def test_missing_or_malformed_auth_headers_are_refused(headers):
     _, server = _pair()
     with pytest.raises(AuthError):
         server.verify("POST", "/v1/control", headers, b"")
+
+
+def test_a_request_is_verified_as_its_body_streams_and_recorded_only_if_it_verifies():
+    signer, server = _pair()
+    body = bytes(range(256)) * 100
+    _, headers = signer.sign_request("POST", "/v1/average", body, to=TO_B)
+    forged = {**headers, MAC: "f" * 64}
+    pending = server.begin("POST", "/v1/average", forged)
+    pending.update(body)
+    with pytest.raises(AuthError, match="does not verify"):
+        pending.finish()
+    pending = server.begin("POST", "/v1/average", headers)  # the forgery recorded nothing
+    for start in range(0, len(body), 1000):
+        pending.update(body[start : start + 1000])
+    pending.finish()
+    with pytest.raises(AuthError, match="already seen"):  # refused before any body byte
+        server.begin("POST", "/v1/average", headers)
+
+
+def test_other_protocol_versions_are_refused_naming_both():
+    signer, server = _pair()
+    _, headers = signer.sign_request("POST", "/v1/control", b"x", to=TO_B)
+    for version, theirs in ((None, "1"), ("1", "1"), ("3", "3")):
+        old = {k: v for k, v in headers.items() if k != VERSION}
+        if version is not None:
+            old[VERSION] = version
+        with pytest.raises(VersionError, match=f"protocol 2; the request is protocol {theirs}"):
+            server.verify("POST", "/v1/control", old, b"x")
+
+
+def test_a_hello_answer_is_bound_to_the_nonce_and_the_key():
+    signer, server = _pair()
+    nonce = "1" * 32
+    body, headers = server.welcome(signer.hello_headers(nonce))
+    signer.check_welcome(nonce, headers, body)
+    assert b'"incarnation":5' in body
+    with pytest.raises(AuthError):
+        signer.check_welcome("2" * 32, headers, body)  # an answer to another hello
+    with pytest.raises(AuthError):
+        signer.check_welcome(nonce, headers, body.replace(b":5", b":6"))
+    stranger = Signer(derive_mac_key(b"x" * 32), A, 1)
+    with pytest.raises(AuthError, match="wrong swarm key"):
+        server.welcome(stranger.hello_headers(nonce))
 
 
 def test_the_replay_window_accepts_reordering_once_and_refuses_the_old():

@@ -27,6 +27,7 @@ from p2ptrain.net import ckptserve
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.ckptserve import RangeError, add_checkpoint_routes, latest_own, parse_range
 from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, check_answer, fetch_latest
+from p2ptrain.net.hello import add_hello_route, hello
 
 CHUNK = 64 * 1024
 KEY = derive_mac_key(bytes(range(32)))
@@ -72,7 +73,7 @@ def leader(tmp_path) -> Leader:
     assert len(files[store.MODEL_FILE]["xxh3_64"]) == 4
     assert len(files[store.STATE_FILE]["xxh3_64"]) == 2
     return Leader(ident, ckroot, path.name, load_file(str(path / store.MODEL_FILE)),
-                  ServerAuth(KEY, ident.node_id))
+                  ServerAuth(KEY, ident.node_id, ident.incarnation))
 
 
 def make_app(lead: Leader) -> web.Application:
@@ -87,6 +88,7 @@ def make_app(lead: Leader) -> web.Application:
         return await handler(request)
 
     app = web.Application(middlewares=[count])
+    add_hello_route(app, lead.auth)  # every request names its receiver, learnt by hello
     add_checkpoint_routes(app, lambda: lead.ckroot, lead.auth, lead.ident.node_id)
     return app
 
@@ -119,7 +121,11 @@ async def raw_get(session, base: str, path: str, signer: Signer | None,
                   headers: dict | None = None, data: bytes | None = None):
     """One request with hand-made headers; (status, headers, body, request id)."""
     url = URL(base + path, encoded=True)
-    rid, auth_headers = signer.sign_request("GET", url.path) if signer else (None, {})
+    if signer is not None:
+        rid, auth_headers = signer.sign_request("GET", url.path,
+                                                to=await hello(session, base, signer))
+    else:
+        rid, auth_headers = None, {}
     async with session.get(url, headers={**auth_headers, **(headers or {})}, data=data) as r:
         return r.status, r.headers, await r.read(), rid
 
@@ -159,7 +165,8 @@ def test_requests_without_mac_or_replayed_get_401_and_a_body_gets_400(leader):
                 assert status == 401 and json.loads(body) == {"error": "request carries no MAC"}
             signer = Signer(KEY, CLIENT_ID, 1)
             url = URL(base + "/v1/checkpoint")
-            rid, headers = signer.sign_request("GET", url.path)
+            rid, headers = signer.sign_request("GET", url.path,
+                                               to=await hello(session, base, signer))
             for want in (200, 401):  # the same headers twice: the second is a replay
                 async with session.get(url, headers=headers) as r:
                     assert r.status == want
@@ -188,9 +195,10 @@ def test_a_chunk_rotted_on_the_leaders_disk_is_refused_and_nothing_lands(leader,
 def test_a_response_with_a_bad_mac_is_refused(leader, tmp_path):
     class Forger(ServerAuth):  # accepts our requests, signs answers with another key
         def sign(self, method, path, rid, status, body):
-            return ServerAuth(OTHER_KEY, self.node_id).sign(method, path, rid, status, body)
+            return ServerAuth(OTHER_KEY, self.node_id, self.incarnation).sign(
+                method, path, rid, status, body)
 
-    leader.auth = Forger(KEY, leader.ident.node_id)
+    leader.auth = Forger(KEY, leader.ident.node_id, leader.ident.incarnation)
     with pytest.raises(FetchError, match="response MAC does not verify"):
         fetch(leader, tmp_path / "out")
 
@@ -209,6 +217,7 @@ def forged_app(lead: Leader, body: bytes) -> web.Application:
         return web.Response(body=body, headers=lead.auth.sign("GET", request.path, rid, 200,
                                                                body))
     app = web.Application()
+    add_hello_route(app, lead.auth)
     app.router.add_get("/v1/checkpoint", answer)
     return app
 

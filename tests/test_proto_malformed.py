@@ -113,7 +113,7 @@ def _malformed(c: Cluster, target: int) -> dict[str, bytes]:
         "frame version 9": ping[:4] + b"\x09" + ping[5:],
         "unknown type": ping[:5] + b"\xee" + ping[6:],
         "huge lengths": struct.pack("<4sBBHII", b"P2PM", 1, 1, 0, 2**31, 2**31) + b"[]",
-        "protocol version 2": _reframe(1, [[2, *doc[0][1:]], doc[1]]),
+        "protocol version 1": _reframe(1, [[1, *doc[0][1:]], doc[1]]),
         "seq is a string": _reframe(1, [doc[0], ["7", doc[1][1]]]),
         "incarnation negative": _reframe(1, [[*doc[0][:2], -1, *doc[0][3:]], doc[1]]),
         "sender not hex": _reframe(1, [[doc[0][0], "zz" * 16, *doc[0][2:]], doc[1]]),

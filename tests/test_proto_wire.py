@@ -121,8 +121,8 @@ def test_json_defects():
 
 def test_wrong_protocol_version_is_named():
     doc = _doc(Envelope(header(), Ping(1, B)))
-    doc[0][0] = 2
-    assert "protocol version 2" in _reject(_frame(1, doc))
+    doc[0][0] = 1  # the previous protocol
+    assert "protocol version 1" in _reject(_frame(1, doc))
 
 
 WRONG = ["x", 1.5, -1, None, [], {}, True, 2**70, "z" * 5000, float("1e308"), 0]

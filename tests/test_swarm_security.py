@@ -34,9 +34,10 @@ from p2ptrain import checkpoint
 from p2ptrain.codecs import HEADER_SIZE, TRAILER_SIZE, encode_vector, make_codec
 from p2ptrain.config import resolve, settings_of, swarm_options
 from p2ptrain.models import build_model
-from p2ptrain.net.auth import Signer, derive_mac_key
+from p2ptrain.net.auth import Receiver, Signer, derive_mac_key
 from p2ptrain.net.ckptserve import is_checkpoint_name
 from p2ptrain.net.fetch import FetchError, fetch_latest
+from p2ptrain.net.hello import hello
 from p2ptrain.net.runtime import Runtime
 from p2ptrain.proto import wire
 from p2ptrain.proto.gossip.messages import GradientPush
@@ -115,6 +116,11 @@ class FakePeer:
         self.beat = 0
         self.fingerprint, self.fields, self.target = "0" * 16, {}, ""
         self.ghost = random_id()
+        self.receiver: Receiver | None = None  # who the node is (learnt by hello)
+
+    async def meet(self) -> None:
+        """Learn the node's id and incarnation, as every sender does before its requests."""
+        self.receiver = await hello(self.session, f"http://{self.addr}", self.signer)
 
     def info(self, node_id: str | None = None, outbound_only: bool = True) -> MemberInfo:
         return MemberInfo(node_id or self.node_id, "127.0.0.1:9", "test", 1.0, 0,
@@ -136,7 +142,9 @@ class FakePeer:
 
     def sign(self, route: str, data: bytes, signer: Signer | None = None
              ) -> tuple[Any, dict[str, str]]:
-        rid, headers = (signer or self.signer).sign_request("POST", route, data)
+        assert self.receiver is not None, "meet() first"
+        rid, headers = (signer or self.signer).sign_request("POST", route, data,
+                                                            to=self.receiver)
         return rid, {**headers, "Content-Type": "application/octet-stream"}
 
     async def send(self, route: str, data: bytes, headers: dict[str, str]) -> Answer:
@@ -155,6 +163,7 @@ class FakePeer:
     async def join(self) -> str:
         """Learn the node's fingerprint from its refusal (409), then join as a real peer;
         the refusal's reason."""
+        await self.meet()
         stranger = SyncRequest((Update(ALIVE, self.node_id, 1, self.node_id, self.info()),), {})
         answer = await self.post(MEMBERS, self.frame(stranger))
         assert answer.status == 409, (answer.status, answer.body[:200])
@@ -221,6 +230,7 @@ def auth_cases(peer: FakePeer) -> list[Case]:
 
     async def wrong_key() -> Answer:
         other = Signer(derive_mac_key(secrets.token_bytes(32)), peer.node_id, 1)
+        other.seq = peer.signer.seq + 1000  # a fresh sequence: only the key is wrong
         data = peer.frame(Ping(1, peer.target))
         return await peer.send(CONTROL, data, peer.sign(CONTROL, data, other)[1])
 
@@ -258,7 +268,10 @@ def size_cases(peer: FakePeer) -> list[Case]:
     def chunked() -> Awaitable[Answer]:
         data = b"\0" * (CONTROL_LIMIT + 1)
         # well-formed (unverifiable) credentials: the server reads up to the limit, then 413
-        creds = f"X-P2P-Sender: {peer.node_id}\r\nX-P2P-Seq: 1.1\r\nX-P2P-MAC: {'0' * 64}"
+        assert peer.receiver is not None
+        creds = (f"X-P2P-Version: 2\r\nX-P2P-To: {peer.receiver.header()}\r\n"
+                 f"X-P2P-Sender: {peer.node_id}\r\nX-P2P-Seq: 1.{peer.signer.seq + 1000}\r\n"
+                 f"X-P2P-MAC: {'0' * 64}")
         return raw_http(peer.addr, post_head(peer.addr, CONTROL, "Transfer-Encoding: chunked\r\n"
                                              + creds)
                         + f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n")

@@ -3,8 +3,10 @@
 Which swarm: `--token` (or `--token-file`, e.g. a Docker secret), else the configuration
 file's `[swarm]` (name + key file, as `init` writes it), else the public demo swarm. A node
 given only a token first fetches the swarm's configuration from a peer (`GET /v1/config`,
-authenticated) and adopts it. Tools that only look (`status`, `checkpoint fetch`) sign their
-requests with a throw-away identity, so they never collide with a node's replay window.
+authenticated) and adopts it; like every MAC request, it is preceded by a hello that tells
+who is at the address (p2ptrain.net.hello). Tools that only look (`status`, `checkpoint
+fetch`) sign their requests with a throw-away identity, so they never collide with a node's
+replay window.
 """
 
 from __future__ import annotations
@@ -110,12 +112,22 @@ async def fetch_swarm_config(swarm: Swarm, peers: list[str], timeout: float, mdn
     """The swarm-wide options from the first peer that answers `GET /v1/config`; None when
     no member answers within `timeout` (this node may be the swarm's first); UserError when
     a peer refuses our authentication (a wrong token)."""
-    from p2ptrain.net.server import read_limited
+    from p2ptrain.net.hello import HelloError, hello
+    from p2ptrain.net.routes import read_limited
 
     signer = throwaway_signer(swarm)
     async with aiohttp.ClientSession() as session:
         async for addr in _candidates(swarm, peers, timeout, rounds=True, mdns=mdns):
-            rid, headers = signer.sign_request("GET", "/v1/config")
+            try:
+                to = await hello(session, f"http://{addr}", signer)
+            except HelloError as exc:
+                if "HTTP 401" in str(exc):
+                    raise UserError(f"{addr} refused this token (HTTP 401): is it the token "
+                                    f"of that swarm?") from None
+                if "older p2ptrain" in str(exc):
+                    print(f"p2ptrain: warning: {exc}", file=sys.stderr)
+                continue  # not up yet, or not one of ours: try the next
+            rid, headers = signer.sign_request("GET", "/v1/config", to=to)
             try:
                 async with session.get(f"http://{addr}/v1/config", headers=headers,
                                        timeout=aiohttp.ClientTimeout(total=10)) as resp:

@@ -1,37 +1,64 @@
-"""Message authentication on the MAC routes: HMAC-SHA256 keyed by the swarm key, and replay
-refusal by per-sender (incarnation, sequence).
+"""Message authentication on the MAC routes: HMAC-SHA256 keyed by the swarm key, bound to the
+receiver, and replay refusal by per-sender (incarnation, sequence).
 
-A request carries three headers:
+A request carries five headers:
 
-    X-P2P-Sender  the sender's node id (32 hex)
-    X-P2P-Seq     "<incarnation>.<sequence>": incarnation bumped at every start of the sender,
-                  sequence counting its requests since that start
-    X-P2P-MAC     hex HMAC-SHA256 over a domain tag, method, path, sender, incarnation,
-                  sequence and the body
+    X-P2P-Version  the sender's protocol version (PROTOCOL_VERSION); checked first
+    X-P2P-Sender   the sender's node id (32 hex)
+    X-P2P-Seq      "<incarnation>.<sequence>": incarnation bumped at every start of the sender,
+                   sequence counting its requests since that start
+    X-P2P-To       "<node id>.<incarnation>" of the receiver the request is meant for
+    X-P2P-MAC      hex HMAC-SHA256 over a domain tag (naming the protocol version), method,
+                   path, sender, incarnation, sequence, receiver id, receiver incarnation and
+                   the body
 
 A response carries `X-P2P-Sender` (the responder) and `X-P2P-MAC` over the tag, method, path,
-responder, the *request's* sender, incarnation and sequence, the status and the body: it is
-bound to the one request it answers, so it cannot be replayed onto another.
+the responder's id and incarnation (those the request named), the *request's* sender,
+incarnation and sequence, the status and the body: it is bound to the one request it answers,
+so it cannot be replayed onto another, and to the life of the node that answered it.
+
+Why the receiver is named: a captured request could otherwise be played to another member
+(the key is the swarm's, not the pair's) or to the same node after a restart (its replay
+window lives in memory). Bound to (receiver id, receiver incarnation), it is refused by every
+other node and by every later life of its receiver, since incarnations only grow.
+
+How a sender learns the receiver before its first request: the hello exchange (hello.py).
+`GET /v1/hello` carries a sender-chosen random nonce and a MAC over (sender, nonce); the node
+answers with its id, incarnation and protocol version, MACed over the nonce, the asker and
+the answer, so only a holder of the swarm key can make it and an old answer cannot be
+replayed. The outbox says hello once per address (and again when a receiver refuses a
+request as meant for another node or life), and so do the token-only `GET /v1/config`
+fetch and `checkpoint fetch`: a `--peer HOST:PORT` seed, a DNS seed and an mDNS find all
+start from an address alone.
 
 Replays are refused without any wall clock (Pis have no real-time clock): for each sender the
 receiver keeps the newest incarnation and a sliding window of the sequences seen in it. A
 request with an older incarnation, a sequence already seen, or one too far behind the newest
 is refused. The window (not "strictly greater") lets concurrent requests of one sender arrive
-out of order. Everything is constant-time compared. No I/O, no clock.
+out of order. The headers are checked (version, shape, receiver, replay window) before the
+body is read; the MAC is computed as the body streams in (`Pending`) and the replay window
+records the request only once the MAC verified. Everything is constant-time compared. No
+I/O, no clock.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from p2ptrain.proto import PROTOCOL_VERSION
+
 SENDER, SEQ, MAC = "X-P2P-Sender", "X-P2P-Seq", "X-P2P-MAC"
+VERSION, TO, NONCE = "X-P2P-Version", "X-P2P-To", "X-P2P-Nonce"
 REPLAY_WINDOW = 256  # sequences behind the newest still accepted (once each)
 MAX_SENDERS = 8192  # senders remembered; the least recently heard is forgotten first
-_REQ_TAG, _RESP_TAG = b"p2ptrain/1 request\n", b"p2ptrain/1 response\n"
+_TAG = f"p2ptrain/{PROTOCOL_VERSION}"
+_REQ_TAG, _RESP_TAG = f"{_TAG} request\n".encode(), f"{_TAG} response\n".encode()
+_HELLO_TAG, _WELCOME_TAG = f"{_TAG} hello\n".encode(), f"{_TAG} welcome\n".encode()
 
 
 class AuthError(Exception):
@@ -42,6 +69,27 @@ class AuthError(Exception):
         self.reason = reason
 
 
+class VersionError(AuthError):
+    """The request speaks another protocol version (answered 400, with both versions)."""
+
+
+def check_version(headers: Mapping[str, str]) -> None:
+    """Refuse a request of another protocol version, saying which versions meet. Protocol 1
+    had no version header: a request with MAC headers and none is protocol 1."""
+    text = headers.get(VERSION)
+    if text is None:
+        if not headers.get(MAC):
+            return  # no credentials at all: the MAC check says so
+        theirs = "1"
+    elif text.isascii() and text.isdigit() and len(text) <= 6:
+        theirs = str(int(text))
+    else:
+        raise VersionError("malformed protocol version header")
+    if theirs != str(PROTOCOL_VERSION):
+        raise VersionError(f"this node speaks p2ptrain protocol {PROTOCOL_VERSION}; the request "
+                           f"is protocol {theirs}: run the same p2ptrain release on every node")
+
+
 def derive_mac_key(swarm_key: bytes) -> bytes:
     """The HMAC key of a swarm (the swarm key itself never keys anything directly)."""
     if len(swarm_key) != 32:
@@ -49,11 +97,16 @@ def derive_mac_key(swarm_key: bytes) -> bytes:
     return hashlib.sha256(b"p2ptrain mac key\n" + swarm_key).digest()
 
 
-def _mac(key: bytes, tag: bytes, fields: tuple[str, ...], body: bytes | memoryview) -> str:
+def _start(key: bytes, tag: bytes, fields: tuple[str, ...]):
     h = hmac.new(key, tag, hashlib.sha256)
     for field in fields:  # length-prefixed, so no two field lists hash alike
         raw = field.encode()
         h.update(len(raw).to_bytes(4, "big") + raw)
+    return h
+
+
+def _mac(key: bytes, tag: bytes, fields: tuple[str, ...], body: bytes | memoryview) -> str:
+    h = _start(key, tag, fields)
     h.update(body)
     return h.hexdigest()
 
@@ -62,13 +115,40 @@ def _is_node_id(text: str) -> bool:
     return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
+def _parse_epoch(text: str) -> int | None:
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 19 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Receiver:
+    """The node a request is meant for, in one life: its id and incarnation (from hello)."""
+
+    node_id: str
+    incarnation: int
+
+    def header(self) -> str:
+        return f"{self.node_id}.{self.incarnation}"
+
+    @classmethod
+    def parse(cls, text: str) -> Receiver | None:
+        node_id, _, inc = text.partition(".")
+        value = _parse_epoch(inc)
+        return cls(node_id, value) if _is_node_id(node_id) and value is not None else None
+
+
 @dataclass(frozen=True, slots=True)
 class RequestId:
-    """Who sent an authenticated request, and its (incarnation, sequence)."""
+    """Who sent an authenticated request, its (incarnation, sequence), and whom it names."""
 
     sender: str
     incarnation: int
     seq: int
+    to: Receiver | None = None
+
+    def fields(self, method: str, path: str) -> tuple[str, ...]:
+        assert self.to is not None
+        return (method, path, self.sender, str(self.incarnation), str(self.seq),
+                self.to.node_id, str(self.to.incarnation))
 
 
 class Signer:
@@ -80,14 +160,25 @@ class Signer:
         self.key, self.node_id, self.incarnation = mac_key, node_id, incarnation
         self.seq = 0
 
-    def sign_request(self, method: str, path: str, body: bytes | memoryview = b""
-                     ) -> tuple[RequestId, dict[str, str]]:
-        """Headers for one request (each call uses a new sequence number)."""
+    def sign_request(self, method: str, path: str, body: bytes | memoryview = b"", *,
+                     to: Receiver) -> tuple[RequestId, dict[str, str]]:
+        """Headers for one request meant for `to` (each call uses a new sequence number)."""
         self.seq += 1
-        rid = RequestId(self.node_id, self.incarnation, self.seq)
-        mac = _mac(self.key, _REQ_TAG, (method, path, rid.sender, str(rid.incarnation),
-                                        str(rid.seq)), body)
-        return rid, {SENDER: rid.sender, SEQ: f"{rid.incarnation}.{rid.seq}", MAC: mac}
+        rid = RequestId(self.node_id, self.incarnation, self.seq, to)
+        mac = _mac(self.key, _REQ_TAG, rid.fields(method, path), body)
+        return rid, {VERSION: str(PROTOCOL_VERSION), SENDER: rid.sender,
+                     SEQ: f"{rid.incarnation}.{rid.seq}", TO: to.header(), MAC: mac}
+
+    def hello_headers(self, nonce: str) -> dict[str, str]:
+        """Headers of a hello request carrying `nonce` (32 hex)."""
+        return {VERSION: str(PROTOCOL_VERSION), SENDER: self.node_id, NONCE: nonce,
+                MAC: _mac(self.key, _HELLO_TAG, (self.node_id, nonce), b"")}
+
+    def check_welcome(self, nonce: str, headers: Mapping[str, str], body: bytes) -> None:
+        """AuthError unless `body` is a hello answer to our `nonce` made with the swarm key."""
+        want = _mac(self.key, _WELCOME_TAG, (nonce, self.node_id), body)
+        if not hmac.compare_digest(want, headers.get(MAC, "")):
+            raise AuthError("hello answer does not verify (not a member of this swarm?)")
 
     def check_response(self, method: str, path: str, rid: RequestId, status: int,
                        headers: Mapping[str, str], body: bytes | memoryview) -> str:
@@ -101,42 +192,66 @@ def check_response(key: bytes, method: str, path: str, rid: RequestId, status: i
     responder, mac = headers.get(SENDER, ""), headers.get(MAC, "")
     if not _is_node_id(responder) or not mac:
         raise AuthError("response carries no MAC")
-    want = _mac(key, _RESP_TAG, (method, path, responder, rid.sender, str(rid.incarnation),
-                                 str(rid.seq), str(status)), body)
+    if rid.to is None or responder != rid.to.node_id:
+        raise AuthError("response comes from another node than the request named")
+    want = _mac(key, _RESP_TAG, _response_fields(method, path, rid, status), body)
     if not hmac.compare_digest(want, mac):
         raise AuthError("response MAC does not verify")
     return responder
 
 
-def response_headers(key: bytes, responder: str, method: str, path: str, rid: RequestId,
-                     status: int, body: bytes | memoryview) -> dict[str, str]:
-    """Headers authenticating a response to request `rid`."""
-    mac = _mac(key, _RESP_TAG, (method, path, responder, rid.sender, str(rid.incarnation),
-                                str(rid.seq), str(status)), body)
-    return {SENDER: responder, MAC: mac}
+def _response_fields(method: str, path: str, rid: RequestId, status: int) -> tuple[str, ...]:
+    assert rid.to is not None
+    return (method, path, rid.to.node_id, str(rid.to.incarnation), rid.sender,
+            str(rid.incarnation), str(rid.seq), str(status))
+
+
+def response_headers(key: bytes, method: str, path: str, rid: RequestId, status: int,
+                     body: bytes | memoryview) -> dict[str, str]:
+    """Headers authenticating a response to request `rid` (from the receiver it named)."""
+    assert rid.to is not None
+    mac = _mac(key, _RESP_TAG, _response_fields(method, path, rid, status), body)
+    return {SENDER: rid.to.node_id, MAC: mac}
+
+
+def _is_mac(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def parse_request(headers: Mapping[str, str]) -> RequestId:
-    """The (sender, incarnation, sequence) a request claims; AuthError if absent/malformed."""
-    sender, seq = headers.get(SENDER, ""), headers.get(SEQ, "")
-    if not headers.get(MAC):
+    """The (sender, incarnation, sequence, receiver) a request claims; AuthError if absent or
+    malformed (VersionError if it speaks another protocol version)."""
+    check_version(headers)
+    sender, seq, mac = headers.get(SENDER, ""), headers.get(SEQ, ""), headers.get(MAC, "")
+    if not mac:
         raise AuthError("request carries no MAC")
     inc_text, _, seq_text = seq.partition(".")
-    if not (_is_node_id(sender) and inc_text.isdigit() and seq_text.isdigit()
-            and len(inc_text) <= 19 and len(seq_text) <= 19):
+    inc, number = _parse_epoch(inc_text), _parse_epoch(seq_text)
+    to = Receiver.parse(headers.get(TO, ""))
+    if not (_is_node_id(sender) and _is_mac(mac) and inc is not None and number is not None
+            and to is not None):
         raise AuthError("malformed authentication headers")
-    return RequestId(sender, int(inc_text), int(seq_text))
+    return RequestId(sender, inc, number, to)
 
 
-def check_request_mac(key: bytes, method: str, path: str, headers: Mapping[str, str],
-                      body: bytes | memoryview) -> RequestId:
-    """The request's id if its MAC verifies (replays are `ReplayGuard`'s business)."""
-    rid = parse_request(headers)
-    want = _mac(key, _REQ_TAG, (method, path, rid.sender, str(rid.incarnation), str(rid.seq)),
-                body)
-    if not hmac.compare_digest(want, headers.get(MAC, "")):
-        raise AuthError("request MAC does not verify (wrong swarm key?)")
-    return rid
+class Pending:
+    """A request whose headers passed: feed the body as it streams, then `finish`."""
+
+    def __init__(self, key: bytes, method: str, path: str, rid: RequestId, mac: str,
+                 guard: ReplayGuard):
+        self.rid, self._mac, self._guard = rid, mac, guard
+        self._h = _start(key, _REQ_TAG, rid.fields(method, path))
+
+    def update(self, piece: bytes | memoryview) -> None:
+        self._h.update(piece)
+
+    def finish(self) -> RequestId:
+        """The request's id if the MAC over everything fed verifies (then it is recorded in
+        the replay window); AuthError otherwise."""
+        if not hmac.compare_digest(self._h.hexdigest(), self._mac):
+            raise AuthError("request MAC does not verify (wrong swarm key?)")
+        self._guard.check(self.rid)
+        return self.rid
 
 
 class ReplayGuard:
@@ -146,6 +261,21 @@ class ReplayGuard:
         self.window, self.max_senders = window, max_senders
         # sender -> (incarnation, newest seq, bitmask of seen seqs: bit i = newest - i)
         self._seen: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
+
+    def peek(self, rid: RequestId) -> None:
+        """AuthError if `check` would refuse `rid`; records nothing (safe before the MAC)."""
+        entry = self._seen.get(rid.sender)
+        if entry is None or rid.incarnation > entry[0]:
+            return
+        inc, newest, mask = entry
+        if rid.incarnation < inc:
+            raise AuthError(f"replay: incarnation {rid.incarnation} is older than {inc}")
+        if rid.seq <= newest:
+            behind = newest - rid.seq
+            if behind >= self.window:
+                raise AuthError(f"replay: sequence {rid.seq} is too far behind {newest}")
+            if mask >> behind & 1:
+                raise AuthError(f"replay: sequence {rid.seq} was already seen")
 
     def check(self, rid: RequestId) -> None:
         """Record `rid`, or raise AuthError if it is a replay or too old. Call only after the
@@ -177,20 +307,54 @@ class ReplayGuard:
 
 
 class ServerAuth:
-    """A server's side: verify a request (MAC, then replay), sign the response to it."""
+    """A server's side: check a request's headers (version, shape, receiver, replay window),
+    its MAC as the body streams, then record it; sign the response to it; answer hellos."""
 
-    def __init__(self, mac_key: bytes, node_id: str):
-        self.key, self.node_id = mac_key, node_id
+    def __init__(self, mac_key: bytes, node_id: str, incarnation: int):
+        if not _is_node_id(node_id) or incarnation < 0:
+            raise ValueError("bad node id or incarnation")
+        self.key, self.node_id, self.incarnation = mac_key, node_id, incarnation
         self.guard = ReplayGuard()
+
+    def begin(self, method: str, path: str, headers: Mapping[str, str]) -> Pending:
+        """Check everything but the MAC, before any body byte is read; AuthError (401, or
+        VersionError: 400) if the request cannot be for us."""
+        rid = parse_request(headers)
+        assert rid.to is not None
+        if rid.to.node_id != self.node_id:
+            raise AuthError(f"request is addressed to node {rid.to.node_id}, not to this node "
+                            f"({self.node_id})")
+        if rid.to.incarnation != self.incarnation:
+            raise AuthError(f"request is addressed to incarnation {rid.to.incarnation} of this "
+                            f"node, which runs incarnation {self.incarnation} (a replay, or a "
+                            f"sender that has not said hello since this node restarted)")
+        self.guard.peek(rid)
+        return Pending(self.key, method, path, rid, headers[MAC], self.guard)
 
     def verify(self, method: str, path: str, headers: Mapping[str, str],
                body: bytes | memoryview) -> RequestId:
         """The request's id; AuthError (answer 401, process nothing) otherwise."""
-        rid = check_request_mac(self.key, method, path, headers, body)
-        self.guard.check(rid)
-        return rid
+        pending = self.begin(method, path, headers)
+        pending.update(body)
+        return pending.finish()
 
     def sign(self, method: str, path: str, rid: RequestId, status: int,
              body: bytes | memoryview) -> dict[str, str]:
-        """Headers authenticating our response to `rid`."""
-        return response_headers(self.key, self.node_id, method, path, rid, status, body)
+        """Headers authenticating our response to `rid` (which named us)."""
+        return response_headers(self.key, method, path, rid, status, body)
+
+    def welcome(self, headers: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:
+        """The answer to a hello request (body, headers): our id, incarnation and protocol
+        version, MACed over the asker's nonce; AuthError if the hello is not authentic."""
+        check_version(headers)
+        sender, nonce, mac = headers.get(SENDER, ""), headers.get(NONCE, ""), headers.get(MAC, "")
+        if not mac:
+            raise AuthError("request carries no MAC")
+        if not (_is_node_id(sender) and _is_node_id(nonce) and _is_mac(mac)):
+            raise AuthError("malformed hello headers")
+        if not hmac.compare_digest(_mac(self.key, _HELLO_TAG, (sender, nonce), b""), mac):
+            raise AuthError("hello MAC does not verify (wrong swarm key?)")
+        body = json.dumps({"node_id": self.node_id, "incarnation": self.incarnation,
+                           "version": PROTOCOL_VERSION}, separators=(",", ":")).encode()
+        return body, {SENDER: self.node_id,
+                      MAC: _mac(self.key, _WELCOME_TAG, (nonce, sender), body)}

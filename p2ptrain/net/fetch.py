@@ -1,6 +1,7 @@
 """Fetching the leader's latest checkpoint: verify everything, resume after a break.
 
-The fetcher asks `GET /v1/checkpoint` for the newest checkpoint's id and manifest, checks the
+The fetcher first learns who serves at the address (hello.py: every request names its
+receiver), then asks `GET /v1/checkpoint` for the newest checkpoint's id and manifest, checks the
 manifest field by field (types, sizes, chunk lists), its Ed25519 signature, that the signing
 key belongs to the leader it names, and (when given) that this is the leader we expect. Then
 it downloads the two data files chunk by chunk, one Range request per manifest chunk, a few
@@ -39,8 +40,9 @@ from yarl import URL
 from p2ptrain.checkpoint import store
 from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
 from p2ptrain.identity import node_id_of, verify_signature
-from p2ptrain.net.auth import AuthError, RequestId, Signer
+from p2ptrain.net.auth import AuthError, Receiver, RequestId, Signer
 from p2ptrain.net.ckptserve import MAX_RANGE, is_checkpoint_name
+from p2ptrain.net.hello import HelloError, hello
 
 MAX_ANSWER_BYTES = 8 * 2**20  # largest GET /v1/checkpoint answer read
 MAX_ERROR_BYTES = 64 * 2**10  # largest error body read
@@ -81,6 +83,7 @@ class _Conn:
     base: str  # scheme://host:port[/prefix], no trailing slash
     signer: Signer
     timeout: aiohttp.ClientTimeout
+    to: Receiver  # who serves at `base` (from hello)
 
 
 def _is_hex(value: object, length: int) -> bool:
@@ -169,7 +172,7 @@ async def _get(conn: _Conn, path: str, ok_status: int, limit: int, into: bytearr
                byte_range: tuple[int, int] | None = None) -> _Answer:
     """One signed GET of `path` under the base URL; its MAC is not checked here."""
     url = URL(conn.base + path, encoded=True)
-    rid, headers = conn.signer.sign_request("GET", url.path)
+    rid, headers = conn.signer.sign_request("GET", url.path, to=conn.to)
     if byte_range is not None:
         headers["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
     try:
@@ -367,8 +370,13 @@ async def fetch_latest(session: aiohttp.ClientSession, base_url: str, signer: Si
                        progress: Callable[[int, int], None] | None = None,
                        chunk_retries: int = 5, timeout: float = 60) -> Path:
     """Fetch the newest checkpoint served at `base_url` into `out_root`; its directory."""
-    conn = _Conn(session, base_url.rstrip("/"), signer,
-                 aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout))
+    base = base_url.rstrip("/")
+    try:
+        to = await hello(session, base, signer, timeout)
+    except HelloError as exc:
+        raise FetchError(f"checkpoint fetch from {base_url}: {exc}") from None
+    conn = _Conn(session, base, signer,
+                 aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout), to)
     try:
         return await _fetch(conn, out_root, expected_leader, progress, chunk_retries)
     except (FetchError, OSError) as exc:

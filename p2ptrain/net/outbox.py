@@ -6,7 +6,12 @@ Fire and forget: a send never blocks the caller. Gradient and averaging bodies a
 growing queue; control messages always go. Bodies stream in slices through the upload token
 bucket. A failed request (refused connection, timeout, non-2xx, a response whose MAC does not
 verify) is counted per address and otherwise ignored: the protocol's own probes and timeouts
-decide what a silent peer means. A driver: it does I/O and never decides anything.
+decide what a silent peer means. Every request names its receiver (auth.py): the outbox learns
+who is at an address by hello (hello.py) before its first request there, and when a receiver
+refuses a request as not meant for it (401: it restarted, or another node took the address),
+it says hello again and, if someone else answers, sends the message once more. Control bodies
+use the upload cap's control lane (pacing.py). A driver: it does I/O and never decides
+anything.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from p2ptrain.net.auth import AuthError, Signer
+from p2ptrain.net.auth import MAC, AuthError, Signer
+from p2ptrain.net.hello import HelloError, Receivers
 from p2ptrain.net.pacing import TokenBucket, paced
 from p2ptrain.net.routes import MAX_REPLY, read_limited, route_of
 from p2ptrain.proto import RemoteProtocolError, Send, wire
@@ -65,6 +71,7 @@ class Outbox:
         self.stats: Counter[str] = Counter()
         self.tasks: set[asyncio.Task] = set()
         self.last_error: dict[str, str] = {}
+        self.receivers = Receivers(lambda: self.control_session, lambda: self.signer)
 
     def send(self, action: Send) -> None:
         """Start posting `action.envelope` to `action.addr` (returns at once)."""
@@ -85,23 +92,36 @@ class Outbox:
         task.add_done_callback(self.tasks.discard)
 
     async def _post(self, addr: str, route: str, data: bytes, bulk: bool) -> None:
-        rid, headers = self.signer.sign_request("POST", route, data)
-        headers["Content-Type"] = "application/octet-stream"
-        headers["Content-Length"] = str(len(data))
         timeout = aiohttp.ClientTimeout(
             total=self.average_timeout if route == "/v1/average" else
             BULK_TIMEOUT if bulk else CONTROL_TIMEOUT, sock_connect=CONNECT_TIMEOUT)
         session = self.session if bulk else self.control_session
         try:
-            async with session.post(f"http://{addr}{route}", data=paced(data, self.bucket),
-                                         headers=headers, timeout=timeout) as resp:
-                body = await read_limited(resp.content, MAX_REPLY)
-                if body is None:
-                    raise RemoteProtocolError("response body too large")
-                self.signer.check_response("POST", route, rid, resp.status, resp.headers, body)
-                if resp.status not in (200, 409):
-                    raise RemoteProtocolError(f"HTTP {resp.status}: {body[:200]!r}")
-                frames = [bytes(f) for f in wire.split(body)]
+            for attempt in range(2):
+                to = await self.receivers.get(addr)
+                rid, headers = self.signer.sign_request("POST", route, data, to=to)
+                headers["Content-Type"] = "application/octet-stream"
+                headers["Content-Length"] = str(len(data))
+                body_iter = paced(data, self.bucket, control=not bulk)  # control: its own lane
+                async with session.post(f"http://{addr}{route}", data=body_iter,
+                                        headers=headers, timeout=timeout) as resp:
+                    body = await read_limited(resp.content, MAX_REPLY)
+                    if body is None:
+                        raise RemoteProtocolError("response body too large")
+                    if resp.status == 401 and attempt == 0:
+                        # not for this receiver (any more)? ask again who is there
+                        self.receivers.forget(addr, to)
+                        if await self.receivers.get(addr) != to:
+                            continue
+                    if resp.status >= 400 and MAC not in resp.headers:  # refused unread
+                        raise RemoteProtocolError(f"refused (HTTP {resp.status}): "
+                                                  f"{bytes(body[:300]).decode('latin-1')}")
+                    self.signer.check_response("POST", route, rid, resp.status, resp.headers,
+                                               body)
+                    if resp.status not in (200, 409):
+                        raise RemoteProtocolError(f"HTTP {resp.status}: {body[:200]!r}")
+                    frames = [bytes(f) for f in wire.split(body)]
+                break
             self.stats["sent"] += 1
             self.failures.pop(addr, None)
             self.last_error.pop(addr, None)
@@ -109,7 +129,7 @@ class Outbox:
                 self.on_frames(addr, frames)
         except asyncio.CancelledError:
             raise
-        except (aiohttp.ClientError, TimeoutError, OSError, AuthError,
+        except (aiohttp.ClientError, TimeoutError, OSError, AuthError, HelloError,
                 RemoteProtocolError) as exc:
             self._failed(addr, route, exc)
         finally:

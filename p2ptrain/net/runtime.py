@@ -40,7 +40,7 @@ from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.progress import every_second, progress_loop, say_leader, say_membership
 from p2ptrain.net.reachability import Reachability
 from p2ptrain.net.saving import Saver
-from p2ptrain.net.server import Served, build_app, listen
+from p2ptrain.net.server import Limits, Served, build_app, listen
 from p2ptrain.net.steps import Stepper
 from p2ptrain.proto import LeaderChanged, Node, Send, wire
 from p2ptrain.report import Reporter, human_count
@@ -306,7 +306,7 @@ class Runtime:
         self.saver = Saver(self.learner, write, self.io_pool, self.now, reporter, self.count,
                            env_fault_hook(reporter), self.plan)
         mac_key = derive_mac_key(self.swarm.key)
-        self.auth = ServerAuth(mac_key, self.node_id)
+        self.auth = ServerAuth(mac_key, self.node_id, self.identity.incarnation)
         self.signer = Signer(mac_key, self.node_id, self.identity.incarnation)
 
     async def run(self) -> int:
@@ -317,7 +317,7 @@ class Runtime:
         if self.swarm.is_demo:
             reporter.warn("joining the public DEMO swarm: anyone on this LAN may join it; "
                           "for a real fleet run `p2ptrain init` and join with its token")
-        app = build_app(Served(self, self.auth, self.bucket, net.open_routes),
+        app = build_app(Served(self, self.auth, self.bucket, net.open_routes, Limits.of(net)),
                         lambda: self.ckroot)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                                shutdown_timeout=min(5.0, self.settings.host.grace_seconds / 4))

@@ -4,6 +4,7 @@
     GET  /v1/status    open: the node's status document (JSON)
     GET  /metrics      open: Prometheus text
     GET  /             open: a dashboard page that polls /v1/status
+    GET  /v1/hello     swarm key: who this node is (id, incarnation, version), see hello.py
     GET  /v1/config    MAC: the swarm-wide configuration (for a node joining with a token)
     POST /v1/control   MAC: probes, acks, leases, claims, leave (small control messages)
     POST /v1/members   MAC: full member-list exchange
@@ -12,21 +13,34 @@
     GET  /v1/checkpoint[/{id}/{file}]  MAC: see ckptserve.py
 
 A message POST is checked in this order, and processed only if all pass: declared size
-against the route's limit (413, nothing read), body read up to the limit (413), MAC and
-replay (401), frame type allowed on this route (400), strict decode (400), the message's
-sender equals the authenticated sender (400). The runtime then handles it; replies addressed
-to the sender travel in the response (the only way to reach an outbound-only peer), as a
-concatenation of frames with a response MAC; a message the protocol refused gets 400 (or 409
-for a configuration mismatch) with the reason. Open routes take no input and never reveal
-the key or weights; `net.open_routes = false` puts them behind the MAC too.
+against the route's limit (413, nothing read); the authentication headers, before any body
+byte is read -- protocol version (400, naming both versions), shape, that the request names
+this node and this incarnation as its receiver, that its (incarnation, sequence) is not
+already seen (401); then the body is read with a deadline (408: it must keep `min_body_rate`
+after `body_grace` seconds), up to the limit (413), into memory counted against a byte budget
+per lane (bulk, control), while its MAC is computed as it streams; at the end the MAC and
+replay window (401), frame type allowed on this route (400), strict decode (400), the
+message's sender equals the authenticated sender (400). The runtime then handles it; replies
+addressed to the sender travel in the response (the only way to reach an outbound-only
+peer), as a concatenation of frames with a response MAC; a message the protocol refused gets
+400 (or 409 for a configuration mismatch) with the reason. Open routes take no input and
+never reveal the key or weights; `net.open_routes = false` puts them behind the MAC too.
+
+Connections are counted and timed out by gate.py (caps per IP and in total, header and idle
+timeouts). The byte budget bounds the memory held by request bodies that are not verified
+yet: a body waits (reading stops, TCP pushes back on its sender) while the lane's budget is
+spent, except the body holding most bytes, which may always go on -- so the lane's memory is
+at most its budget plus one body, and bodies that trickle in hold almost nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from itertools import count as counter
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,10 +48,33 @@ from aiohttp import web
 
 from p2ptrain.errors import UserError
 from p2ptrain.net import ckptserve, dashboard
-from p2ptrain.net.auth import AuthError, ServerAuth, parse_request
+from p2ptrain.net.auth import AuthError, Pending, ServerAuth, VersionError
+from p2ptrain.net.gate import GATE, ConnLimits, GatedSite, quiet_logs, track_requests
+from p2ptrain.net.hello import add_hello_route
 from p2ptrain.net.pacing import TokenBucket, paced
-from p2ptrain.net.routes import MAX_REPLY, ROUTES, MiB, read_limited
+from p2ptrain.net.routes import MAX_REPLY, ROUTES, MiB
 from p2ptrain.proto import RemoteProtocolError, wire
+
+BULK_PATHS = ("/v1/gossip", "/v1/average")
+CONTROL_BODY_MEMORY = 16 * MiB  # bytes of control-lane bodies held at once (see the docstring)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the server accepts of its peers (net.* options; the defaults are the options')."""
+
+    conns: ConnLimits = field(default_factory=ConnLimits)
+    body_grace: float = 10.0  # s of slack before a body must keep min_body_rate
+    min_body_rate: float = 8 * 1024  # bytes/s a request body must average after its grace
+    body_memory: int = 64 * MiB  # bytes of bulk request bodies held in memory at once
+
+    @classmethod
+    def of(cls, net: Any) -> Limits:
+        """From a settings.NetConfig."""
+        return cls(ConnLimits(net.max_connections, net.max_connections_per_ip,
+                              net.header_timeout, net.idle_timeout),
+                   net.body_grace, net.min_body_rate_kib * 1024,
+                   int(net.body_memory_mib * MiB))
 
 
 class Host(Protocol):
@@ -64,20 +101,116 @@ class Host(Protocol):
 
 @dataclass(frozen=True)
 class Served:
-    """Everything the routes use: the node, its authenticator, its upload cap."""
+    """Everything the routes use: the node, its authenticator, its upload cap, its limits."""
 
     host: Host
     auth: ServerAuth
     bucket: TokenBucket  # every body the server sends counts against the upload cap
     open_routes: bool  # /v1/status, /metrics and / without a MAC
+    limits: Limits = field(default_factory=Limits)
 
 
 SERVED: web.AppKey[Served] = web.AppKey("served")
-BULK_READS: web.AppKey[asyncio.Semaphore] = web.AppKey("bulk_reads")
-MAX_BULK_READS = 4  # bulk request bodies being read at once
+BUDGETS: web.AppKey[dict[bool, BodyBudget]] = web.AppKey("budgets")
 
-def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": reason}, status=status, headers=headers)
+
+class BodyBudget:
+    """Bytes of request bodies held in memory by one lane (see the module docstring)."""
+
+    def __init__(self, cap: int):
+        self.cap, self.used = cap, 0
+        self.held: dict[int, int] = {}  # body number -> bytes it holds
+        self._numbers = counter()
+        self._cond = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def body(self) -> AsyncIterator[Callable[[int], Any]]:
+        """A body's account: `await take(n)` before holding n more bytes; all released at
+        the end of the block."""
+        number = next(self._numbers)
+        self.held[number] = 0
+
+        def favoured() -> bool:  # the body holding most (the oldest of equals) may exceed
+            most = max(self.held.values())
+            return self.held[number] == most and number == min(
+                k for k, v in self.held.items() if v == most)
+
+        async def take(n: int) -> None:
+            if self.used + n > self.cap and not favoured():
+                async with self._cond:
+                    await self._cond.wait_for(
+                        lambda: self.used + n <= self.cap or favoured())
+            self.used += n
+            self.held[number] += n
+
+        try:
+            yield take
+        finally:
+            self.used -= self.held.pop(number)
+            async with self._cond:
+                self._cond.notify_all()
+
+
+class BodyError(Exception):
+    """A request body was refused while it was read: (HTTP status, reason)."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+async def read_body(request: web.Request, limit: int, pending: Pending, take,
+                    limits: Limits) -> bytearray:
+    """The whole body, MACed into `pending` as it arrives; BodyError when it exceeds `limit`
+    or falls behind `limits.min_body_rate` (time spent waiting for the budget is ours, not
+    the sender's, and is not counted)."""
+    loop = asyncio.get_running_loop()
+    declared = request.content_length
+    buf = bytearray()  # grown as bytes arrive (a pre-sized one is zero-filled: all resident)
+    got, waited, start = 0, 0.0, loop.time()
+    while True:
+        left = start + limits.body_grace + waited + got / limits.min_body_rate - loop.time()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(left):
+                piece = await request.content.readany()
+        except TimeoutError:
+            raise BodyError(408, f"request body too slow: {got} bytes in "
+                                 f"{loop.time() - start:.1f}s") from None
+        if not piece:
+            break
+        if got + len(piece) > limit:
+            raise BodyError(413, f"body exceeds {limit} bytes on {request.path}")
+        before = loop.time()
+        await take(len(piece))
+        waited += loop.time() - before
+        pending.update(piece)
+        buf += piece
+        got += len(piece)
+    if declared is not None and got != declared:
+        raise BodyError(400, f"body ended after {got} of {declared} bytes")
+    return buf
+
+
+def _error(status: int, reason: str, headers: dict[str, str] | None = None,
+           close: bool = False) -> web.Response:
+    response = web.json_response({"error": reason}, status=status, headers=headers)
+    if close:  # the rest of the body is not worth draining
+        response.force_close()
+    return response
+
+
+def _begin(srv: Served, request: web.Request) -> Pending | web.Response:
+    """The request's pending authentication, or the refusal (nothing of the body read)."""
+    try:
+        return srv.auth.begin(request.method, request.path, request.headers)
+    except VersionError as exc:
+        srv.host.count("refused_version")
+        return _error(400, exc.reason)
+    except AuthError as exc:
+        srv.host.count("refused_auth")
+        return _error(401, exc.reason)
 
 
 async def _message(request: web.Request) -> web.StreamResponse:
@@ -85,24 +218,29 @@ async def _message(request: web.Request) -> web.StreamResponse:
     path = request.path
     classes, limit = ROUTES[path]
     if request.content_length is not None and request.content_length > limit:
-        return _error(413, f"body of {request.content_length} bytes exceeds {limit} on {path}")
-    try:
-        parse_request(request.headers)  # no credentials: refused before the body is read
-    except AuthError as exc:
-        srv.host.count("refused_auth")
-        return _error(401, exc.reason)
-    if limit > MiB:  # bulk bodies: a few at a time, so junk cannot fill the memory
-        async with request.app[BULK_READS]:
-            body = await read_limited(request.content, limit)
-    else:
-        body = await read_limited(request.content, limit)
-    if body is None:
-        return _error(413, f"body exceeds {limit} bytes on {path}")
-    try:
-        rid = srv.auth.verify(request.method, path, request.headers, body)
-    except AuthError as exc:
-        srv.host.count("refused_auth")
-        return _error(401, exc.reason)
+        return _error(413, f"body of {request.content_length} bytes exceeds {limit} on {path}",
+                      close=True)
+    pending = _begin(srv, request)  # no good credentials: refused before the body is read
+    if isinstance(pending, web.Response):
+        return pending
+    control = path not in BULK_PATHS
+    async with request.app[BUDGETS][control].body() as take:
+        try:
+            body = await read_body(request, limit, pending, take, srv.limits)
+        except BodyError as exc:
+            srv.host.count("refused_body")
+            return _error(exc.status, exc.reason, close=True)
+        try:
+            rid = pending.finish()
+        except AuthError as exc:
+            srv.host.count("refused_auth")
+            return _error(401, exc.reason)
+        return await _handle(request, srv, rid, body, classes, control)
+
+
+async def _handle(request: web.Request, srv: Served, rid, body: bytearray, classes: tuple,
+                  control: bool) -> web.StreamResponse:
+    path = request.path
 
     def signed(status: int, payload: bytes) -> dict[str, str]:
         return srv.auth.sign(request.method, path, rid, status, payload)
@@ -127,15 +265,15 @@ async def _message(request: web.Request) -> web.StreamResponse:
         return refuse(status, reason)
     payload = b"".join(replies)
     headers = signed(status, payload)
-    if len(payload) <= MiB:
-        await srv.bucket.take(len(payload))  # every body we send counts against the cap
+    if len(payload) <= MiB:  # answers to control messages never queue behind bulk bytes
+        await srv.bucket.take(len(payload), control)  # every body we send counts
         return web.Response(status=status, body=payload, headers=headers,
                             content_type="application/octet-stream")
     response = web.StreamResponse(status=status, headers=headers)
     response.content_type = "application/octet-stream"
     response.content_length = len(payload)
     await response.prepare(request)
-    async for piece in paced(payload, srv.bucket):
+    async for piece in paced(payload, srv.bucket, control):
         await response.write(piece)
     await response.write_eof()
     return response
@@ -145,10 +283,14 @@ async def _config(request: web.Request) -> web.Response:
     srv = request.app[SERVED]
     try:
         rid = srv.auth.verify(request.method, request.path, request.headers, b"")
+    except VersionError as exc:
+        srv.host.count("refused_version")
+        return _error(400, exc.reason)
     except AuthError as exc:
         srv.host.count("refused_auth")
         return _error(401, exc.reason)
     payload = json.dumps(srv.host.swarm_config()).encode()
+    await srv.bucket.take(len(payload), True)
     return web.Response(body=payload, content_type="application/json",
                         headers=srv.auth.sign(request.method, request.path, rid, 200, payload))
 
@@ -161,6 +303,8 @@ def _open(handler):
         if not srv.open_routes:
             try:
                 srv.auth.verify(request.method, request.path, request.headers, b"")
+            except VersionError as exc:
+                return _error(400, exc.reason)
             except AuthError as exc:
                 srv.host.count("refused_auth")
                 return _error(401, exc.reason)
@@ -189,9 +333,11 @@ async def _index(request: web.Request) -> web.Response:
 
 def build_app(served: Served, checkpoint_root: Callable[[], Path]) -> web.Application:
     """The application of one node (its driver owns the lifecycle)."""
-    app = web.Application(client_max_size=MAX_REPLY)
+    app = web.Application(client_max_size=MAX_REPLY, middlewares=[track_requests])
     app[SERVED] = served
-    app[BULK_READS] = asyncio.Semaphore(MAX_BULK_READS)
+    app[BUDGETS] = {False: BodyBudget(served.limits.body_memory),
+                    True: BodyBudget(CONTROL_BODY_MEMORY)}
+    app[GATE] = []
     for route in ROUTES:
         app.router.add_post(route, _message)
     app.router.add_get("/v1/config", _config)
@@ -200,17 +346,24 @@ def build_app(served: Served, checkpoint_root: Callable[[], Path]) -> web.Applic
     app.router.add_get("/metrics", _open(_metrics))
     app.router.add_get("/", _open(_index))
     host = served.host
+    add_hello_route(app, served.auth, on_refused=lambda: host.count("refused_auth"))
     ckptserve.add_checkpoint_routes(app, checkpoint_root, served.auth, host.node_id,
                                     on_refused=lambda: host.count("refused_auth"))
     return app
 
 
 async def listen(runner: web.AppRunner, bind: str, port: int) -> int:
-    """Start serving on bind:port (0: any free port); the port bound. A busy or forbidden
-    address is a UserError naming it."""
-    site = web.TCPSite(runner, bind, port, reuse_address=True)
+    """Start serving on bind:port (0: any free port) behind the connection gate; the port
+    bound. A busy or forbidden address is a UserError naming it. Also rate-limits the log
+    records of asyncio and aiohttp (gate.quiet_logs)."""
+    app = runner.app
+    served = app[SERVED]
+    quiet_logs()
+    site = GatedSite(runner, bind, port, served.limits.conns, served.host.count)
     try:
         await site.start()
     except OSError as exc:
         raise UserError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}") from None
+    assert site.gate is not None
+    app[GATE].append(site.gate)
     return runner.addresses[0][1]

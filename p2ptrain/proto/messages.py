@@ -29,7 +29,7 @@ from p2ptrain.proto.records import (
     check_text,
 )
 
-PROTOCOL_VERSION = 1  # bumped on any incompatible change to shapes or meaning
+PROTOCOL_VERSION = 2  # bumped on any incompatible change to shapes or meaning
 
 
 class Body:

@@ -33,6 +33,7 @@ from p2ptrain.identity import load_or_create
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.ckptserve import add_checkpoint_routes, latest_own
 from p2ptrain.net.fetch import fetch_latest
+from p2ptrain.net.hello import add_hello_route
 
 PIECE = 2**20  # bytes per read of the plain download
 
@@ -68,8 +69,9 @@ async def run_bench(size_mb: int, repeats: int) -> dict:
         ident, ckpt = make_checkpoint(root, size_mb)
         key = derive_mac_key(os.urandom(32))
         app = web.Application()
-        add_checkpoint_routes(app, lambda: ckpt.parent, ServerAuth(key, ident.node_id),
-                              ident.node_id)
+        auth = ServerAuth(key, ident.node_id, ident.incarnation)
+        add_hello_route(app, auth)
+        add_checkpoint_routes(app, lambda: ckpt.parent, auth, ident.node_id)
 
         async def plain(request: web.Request) -> web.FileResponse:
             return web.FileResponse(ckpt / store.MODEL_FILE)

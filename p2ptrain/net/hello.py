@@ -1,0 +1,142 @@
+"""The hello exchange: how a sender learns the id and incarnation of the node at an address
+before its first request (every request names its receiver, see auth.py).
+
+    GET /v1/hello   headers X-P2P-Version, X-P2P-Sender, X-P2P-Nonce (32 random hex chosen by
+                    the asker) and X-P2P-MAC over (sender, nonce). Answer 200 with
+                    {"node_id", "incarnation", "version"} and a MAC over (nonce, asker, body).
+
+Only a holder of the swarm key can ask (401 otherwise, which tells a token-only joiner that
+its token is wrong) or answer (a stranger cannot pose as a member), and a fresh nonce per
+hello means an old answer -- an earlier life of the node -- cannot be played back. The
+answer changes nothing on the node, so a replayed hello request is harmless and hellos are
+not in the replay window. A node of protocol 1 has no such route: its 404 is reported as "an
+older p2ptrain".
+
+Who says hello: the outbox, once per address (`Receivers`), again when a receiver refuses a
+request as meant for another node or life; the token-only configuration fetch and
+`checkpoint fetch` before their first GET. Seeds (`--peer HOST:PORT`, DNS names), mDNS finds
+and member addresses are all handled alike: an address is all a sender needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import Callable
+
+import aiohttp
+from aiohttp import web
+
+from p2ptrain.net.auth import AuthError, Receiver, ServerAuth, Signer, VersionError
+from p2ptrain.proto import PROTOCOL_VERSION
+
+HELLO = "/v1/hello"
+MAX_ANSWER = 4096  # bytes of a hello answer read, at most
+HELLO_TIMEOUT = 10.0  # s for one hello round trip
+
+
+class HelloError(Exception):
+    """The node at an address could not be identified; the message says why."""
+
+
+async def hello(session: aiohttp.ClientSession, base: str, signer: Signer,
+                timeout: float = HELLO_TIMEOUT) -> Receiver:
+    """Ask the node at `base` (http://host:port) who it is; HelloError if it cannot say."""
+    nonce = secrets.token_hex(16)
+    try:
+        async with session.get(f"{base}{HELLO}", headers=signer.hello_headers(nonce),
+                               timeout=aiohttp.ClientTimeout(total=timeout),
+                               allow_redirects=False) as resp:
+            body = await resp.content.read(MAX_ANSWER + 1)
+            status, headers = resp.status, resp.headers
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        raise HelloError(f"hello to {base} failed ({type(exc).__name__}: {exc})") from None
+    if status in (404, 405):
+        raise HelloError(f"{base} does not answer {HELLO}: it runs an older p2ptrain (protocol "
+                         f"1); this node speaks protocol {PROTOCOL_VERSION}")
+    if status == 401:
+        raise HelloError(f"{base} refused our authentication (HTTP 401: {_reason(body)}); is "
+                         f"this the right swarm key?")
+    if status != 200 or len(body) > MAX_ANSWER:
+        raise HelloError(f"{base} refused our hello (HTTP {status}: {_reason(body)})")
+    try:
+        signer.check_welcome(nonce, headers, body)
+    except AuthError as exc:
+        raise HelloError(f"{base}: {exc.reason}") from None
+    try:
+        doc = json.loads(body)
+        node_id, inc, version = doc["node_id"], doc["incarnation"], doc["version"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise HelloError(f"{base}: malformed hello answer") from None
+    if version != PROTOCOL_VERSION:
+        raise HelloError(f"{base} speaks protocol {version!r}, this node {PROTOCOL_VERSION}")
+    if not (isinstance(node_id, str) and type(inc) is int and 0 <= inc < 2**63):
+        raise HelloError(f"{base}: malformed hello answer")
+    receiver = Receiver.parse(f"{node_id}.{inc}")
+    if receiver is None:
+        raise HelloError(f"{base}: malformed hello answer")
+    return receiver
+
+
+def _reason(body: bytes) -> str:
+    try:
+        text = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return "no reason given"
+    if not isinstance(text, str):
+        return "no reason given"
+    return "".join(c if c.isprintable() and c.isascii() else "?" for c in text[:200])
+
+
+class Receivers:
+    """Who is at each address, learnt by hello and kept until a request is refused as meant
+    for another node or life. Concurrent senders to one address share one hello."""
+
+    def __init__(self, session: Callable[[], aiohttp.ClientSession], signer: Callable[[], Signer]):
+        self._session, self._signer = session, signer
+        self.known: dict[str, Receiver] = {}
+        self._asking: dict[str, asyncio.Future[Receiver]] = {}
+
+    async def get(self, addr: str) -> Receiver:
+        """The receiver at `addr` (host:port); HelloError if it cannot be learnt."""
+        known = self.known.get(addr)
+        if known is not None:
+            return known
+        asking = self._asking.get(addr)
+        if asking is None:
+            asking = asyncio.ensure_future(hello(self._session(), f"http://{addr}",
+                                                 self._signer()))
+            self._asking[addr] = asking
+            asking.add_done_callback(lambda f: self._learnt(addr, f))
+        return await asyncio.shield(asking)
+
+    def _learnt(self, addr: str, fut: asyncio.Future[Receiver]) -> None:
+        self._asking.pop(addr, None)
+        if not fut.cancelled() and fut.exception() is None:
+            self.known[addr] = fut.result()
+
+    def forget(self, addr: str, receiver: Receiver) -> None:
+        """`receiver` refused a request as not its own: ask again next time."""
+        if self.known.get(addr) == receiver:
+            del self.known[addr]
+
+
+def add_hello_route(app: web.Application, auth: ServerAuth,
+                    on_refused: Callable[[], None] | None = None) -> None:
+    """Register GET /v1/hello on `app`."""
+
+    async def welcome(request: web.Request) -> web.Response:
+        try:
+            body, headers = auth.welcome(request.headers)
+        except VersionError as exc:
+            return web.json_response({"error": exc.reason}, status=400)
+        except AuthError as exc:
+            if on_refused is not None:
+                on_refused()
+            return web.json_response({"error": exc.reason}, status=401)
+        if request.body_exists:
+            return web.json_response({"error": "a GET carries no body"}, status=400)
+        return web.Response(body=body, content_type="application/json", headers=headers)
+
+    app.router.add_get(HELLO, welcome, allow_head=False)

@@ -1,0 +1,154 @@
+"""The upload cap's control lane: a heartbeat-sized message never queues behind bulk bytes.
+
+A real outbox posts to a real node server (aiohttp on 127.0.0.1, port 0) whose host only
+records when each message arrives. Two gradient pushes of 1.5 MiB go out through an upload
+cap of 8 Mbit/s (about 3 s of pacing); meanwhile heartbeats are sent every 0.1 s. The
+figure is a ratio: the worst heartbeat's delay (send -> delivered to the node) against the
+time the bulk bodies took, so the test does not depend on how fast this machine is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import numpy as np
+from aiohttp import web
+
+from p2ptrain.codecs import encode_vector, make_codec
+from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
+from p2ptrain.net.outbox import Outbox
+from p2ptrain.net.pacing import TokenBucket, paced
+from p2ptrain.net.server import Served, build_app, listen
+from p2ptrain.proto import Send
+from p2ptrain.proto.gossip.messages import GradientPush
+from p2ptrain.proto.messages import PROTOCOL_VERSION, Envelope, Header, Heartbeat
+from p2ptrain.proto.node import NodeConfig
+from p2ptrain.report import Reporter
+
+KEY = derive_mac_key(bytes(range(32)))
+SENDER, RECEIVER = "a" * 32, "b" * 32
+BULK_BYTES = 3 << 19  # 1.5 MiB per gradient push
+CAP_MBPS = 8.0
+
+
+class RecordingHost:
+    """The server's host: records (body type, tag, arrival time) of every message."""
+
+    def __init__(self) -> None:
+        self.node_id = RECEIVER
+        self.arrivals: list[tuple[str, int, float]] = []
+        self.counts: dict[str, int] = {}
+
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def deliver(self, envelope, remote, sender, size):
+        now = asyncio.get_running_loop().time()
+        self.arrivals.append((type(envelope.body).__name__, envelope.header.beat, now))
+        return 200, [], ""
+
+    def status(self) -> dict:
+        return {"node_id": self.node_id}
+
+    def health(self) -> dict:
+        return {"ok": True}
+
+    def swarm_config(self) -> dict:
+        return {"swarm": "test", "options": {}}
+
+
+def envelope(beat: int, body) -> Envelope:
+    return Envelope(Header(PROTOCOL_VERSION, SENDER, 1, "127.0.0.1:9", "0" * 16, 0, beat, 2,
+                           None, ()), body)
+
+
+def push(beat: int) -> Envelope:
+    values = np.full(BULK_BYTES // 4, 1e-3, np.float32)
+    (chunk,) = encode_vector(make_codec("none"), values, sender_id=bytes.fromhex(SENDER),
+                             swarm_samples=beat, weight=8.0, seed=1)
+    return envelope(beat, GradientPush(beat, 1.0, bytes(chunk)))
+
+
+async def until(what: str, check, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not check():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def scenario(tmp: Path) -> tuple[float, float, list[float]]:
+    host = RecordingHost()
+    served = Served(host, ServerAuth(KEY, RECEIVER, 1), TokenBucket(0), True)
+    runner = web.AppRunner(build_app(served, lambda: tmp), access_log=None)
+    await runner.setup()
+    port = await listen(runner, "127.0.0.1", 0)
+    addr = f"127.0.0.1:{port}"
+    bucket = TokenBucket.mbps(CAP_MBPS)
+    outbox = Outbox.open(Signer(KEY, SENDER, 1), bucket, lambda a, f: None,
+                         Reporter("json", out=io.StringIO(), err=io.StringIO()), NodeConfig())
+    loop = asyncio.get_running_loop()
+    sent: dict[int, float] = {}
+    try:
+        # warm-up: connections opened (and the receiver learnt) before anything is measured
+        outbox.send(Send(RECEIVER, addr, envelope(1, Heartbeat())))
+        outbox.send(Send(RECEIVER, addr, push(2)))
+        await until("the warm-up", lambda: len(host.arrivals) == 2, 30)
+        host.arrivals.clear()
+        bulk_start = loop.time()
+        for beat in (10, 11):
+            outbox.send(Send(RECEIVER, addr, push(beat)))
+        beat = 100
+        while sum(kind == "GradientPush" for kind, _, _ in host.arrivals) < 2:
+            assert loop.time() - bulk_start < 60, (host.arrivals, outbox.stats)
+            sent[beat] = loop.time()
+            outbox.send(Send(RECEIVER, addr, envelope(beat, Heartbeat())))
+            beat += 1
+            await asyncio.sleep(0.1)
+        bulk_time = max(t for kind, _, t in host.arrivals if kind == "GradientPush") - bulk_start
+        await until("the last heartbeat", lambda: sum(
+            kind == "Heartbeat" for kind, _, _ in host.arrivals) == len(sent), 30)
+        delays = [t - sent[tag] for kind, tag, t in host.arrivals if kind == "Heartbeat"]
+        assert outbox.stats.get("failed", 0) == 0, (outbox.stats, outbox.last_error)
+        return bulk_time, max(delays), delays
+    finally:
+        await outbox.close()
+        await runner.cleanup()
+
+
+def test_a_heartbeat_does_not_queue_behind_paced_bulk_bytes(tmp_path):
+    bulk_time, worst, delays = asyncio.run(scenario(tmp_path))
+    ideal = 2 * BULK_BYTES / (CAP_MBPS * 1e6 / 8)
+    print(f"\nbulk: 2 x {BULK_BYTES >> 10} KiB at {CAP_MBPS:g} Mbit/s in {bulk_time:.2f}s "
+          f"(ideal {ideal:.2f}s); {len(delays)} heartbeats, delay median "
+          f"{sorted(delays)[len(delays) // 2] * 1e3:.1f} ms, worst {worst * 1e3:.1f} ms; "
+          f"worst / bulk time = {worst / bulk_time:.4f}")
+    assert bulk_time > 0.8 * ideal  # the bulk bodies really were paced
+    assert worst / bulk_time < 0.02
+
+
+async def _shared_cap() -> tuple[float, float]:
+    bucket = TokenBucket(1e6)  # 1 MB/s, burst 300 kB
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def bulk() -> None:
+        async for _ in paced(bytes(600_000), bucket):
+            pass
+
+    async def control() -> None:
+        for _ in range(100):  # 400 kB of control bodies, 4 kB each
+            await bucket.take(4000, control=True)
+
+    await asyncio.gather(bulk(), control())
+    return loop.time() - start, bucket.sent
+
+
+def test_control_bytes_count_against_the_cap():
+    """1 MB through a 1 MB/s bucket (300 kB burst) takes about 0.7 s whichever lane it uses."""
+    elapsed, sent = asyncio.run(_shared_cap())
+    assert sent == 1_000_000
+    assert elapsed > 0.6, elapsed
