@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from p2ptrain.proto.config import LOCAL
-from tests.cluster.harness import Cluster
+from tests.cluster.harness import Cluster, Network
 
 PAUSES = [3.0, 5.0, 12.0]  # seconds; the lease is LOCAL.lease (1 s)
 
@@ -61,3 +61,20 @@ def test_a_paused_leader_writes_nothing_in_its_old_term_after_waking(seed):
     # one leader in the end, in a term above the old one
     final = _leader(cluster)
     assert cluster.control(final).term > old_term
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_lease_stretches_on_a_slow_link_and_the_leader_holds(seed):
+    """Heartbeats that arrive up to 1.5 s late (a busy WiFi, a Starlink uplink) against a
+    1 s lease: once the followers have heard a few renewals the leader holds; with the lease
+    fixed (lease_max_mult 1) the same link keeps changing leaders (issue 13, item 3)."""
+    slow = Network(delay=(0.0, 1.5))
+    changes = {}
+    for name, config in (("adaptive", LOCAL), ("fixed", LOCAL.with_(lease_max_mult=1.0))):
+        cluster = Cluster(4, seed=seed, config=config, network=slow)
+        cluster.run_until(20.0)
+        settled = max(cluster.control(i).term for i in cluster.up())
+        cluster.run_until(80.0)
+        changes[name] = max(cluster.control(i).term for i in cluster.up()) - settled
+    assert changes["adaptive"] == 0, changes
+    assert changes["fixed"] > 0, changes  # the link is slow enough to matter

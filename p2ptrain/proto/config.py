@@ -35,6 +35,10 @@ class ProtoConfig:
     heartbeat_interval: float = 0.5  # s; the leader renews its lease this often
     lease: float = 2.0  # s; a follower that hears no newer heartbeat for this long sees a lapse
     claim_backoff: float = 0.5  # s per rank; the k-th best live candidate waits k * this
+    # a follower's lease stretches to this many times the slow end (90th percentile) of the
+    # recent gaps between renewals it heard -- a slow or busy link keeps its leader -- ...
+    lease_gap_mult: float = 3.0
+    lease_max_mult: float = 6.0  # ... but never past this many times `lease`
     # -- checkpoints --------------------------------------------------------------------------
     checkpoint_interval: float = 60.0  # s; the leader saves a checkpoint this often
     checkpoint_samples: int = 0  # or after this many swarm samples since the last one (0: off)
@@ -55,6 +59,8 @@ class ProtoConfig:
             raise ValueError("claim_backoff must be >= 0")
         if self.lease <= self.heartbeat_interval:
             raise ValueError("lease must be longer than heartbeat_interval")
+        if self.lease_gap_mult < 1 or self.lease_max_mult < 1:
+            raise ValueError("lease_gap_mult and lease_max_mult must be >= 1")
         for name in ("indirect_probes", "retransmit_mult", "max_piggyback", "checkpoint_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -93,7 +99,9 @@ class ProtoConfig:
 
     def failover_bound(self, rank: int) -> float:
         """Time after a leader dies within which a member of the given rank (0 = best) has
-        claimed, unless someone else claimed first: 2 leases plus the rank back-off."""
+        claimed, unless someone else claimed first: 2 leases plus the rank back-off (on links
+        whose renewals arrive within lease / lease_gap_mult of each other, so the lease has
+        not stretched)."""
         return 2 * self.lease + rank * self.claim_backoff
 
 

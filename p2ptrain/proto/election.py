@@ -4,6 +4,10 @@
   (term, leader, newest heartbeat seq), so a follower renews on any newer seq it hears while
   its lease holds (after a lapse, only the leader's own messages renew it). A crashed
   leader's last heartbeat therefore lapses everywhere within about 2 leases.
+- The lease adapts to the link: a follower stretches it to `lease_gap_mult` times the slow
+  end of the recent gaps between renewals it heard (at most `lease_max_mult` leases), so
+  heartbeats that arrive late over a busy WiFi or a Starlink uplink do not look like a dead
+  leader; on a quick link it stays `lease`.
 - A follower whose lease lapses -- the lapse, not the failure detector's verdict -- waits
   `rank * claim_backoff` (rank: live members that could lead and outrank it, the lapsed
   leader excluded) and then claims the next term, unless a claim arrived meanwhile.
@@ -23,6 +27,7 @@ anything itself: it returns bodies to send.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -32,6 +37,7 @@ from p2ptrain.proto.messages import Claim, Heartbeat, Notify, Out, Resign, ToAll
 from p2ptrain.proto.records import LeaderView, MemberInfo
 
 Outgoing = list[Out | ToAll]
+RENEWAL_WINDOW = 32  # renewals whose gaps the lease adapts to
 
 
 class Election:
@@ -44,6 +50,8 @@ class Election:
         self.view: LeaderView | None = None  # whom we follow (ourselves when leading)
         self.leading = False
         self.lease_until = now + config.lease  # at start: time to hear of an existing leader
+        self.renewed_at: float | None = None  # when the followed claim was last renewed
+        self.gaps: deque[float] = deque(maxlen=RENEWAL_WINDOW)  # recent gaps between renewals
         self.lapse_reported = False
         self.claim_at: float | None = None
         self.next_heartbeat = 0.0
@@ -80,6 +88,8 @@ class Election:
             if v.seq > cur.seq and (now < self.lease_until or sender == v.leader
                                     or self.me.outbound_only):
                 self.view = v
+                if self.renewed_at is not None:
+                    self.gaps.append(now - self.renewed_at)
                 self._renew(now, actions)
         elif cur is None or v.key() > cur.key():
             if self.leading:  # two leaders met: step down, and have the winner move up
@@ -182,6 +192,8 @@ class Election:
         self.yield_term, self.yield_to, self.next_yield = term, winner, now
 
     def _follow(self, now: float, v: LeaderView, actions: list[Action]) -> None:
+        self.gaps.clear()  # another leader: its link is another
+        self.renewed_at = None
         if self.term > v.term and self.yield_to is None:
             self._start_yield(now, self.term, v)  # we knew a later term (a restart's floor)
         self.view = v
@@ -189,10 +201,19 @@ class Election:
         self.lapse_reported = True  # force the announcement below
         self._renew(now, actions)
 
+    def lease(self) -> float:
+        """The lease a follower grants now: `lease`, stretched on a slow link (see above)."""
+        cfg = self.config
+        if len(self.gaps) < RENEWAL_WINDOW // 4:
+            return cfg.lease
+        slow = sorted(self.gaps)[int(0.9 * (len(self.gaps) - 1))]
+        return min(cfg.lease * cfg.lease_max_mult, max(cfg.lease, cfg.lease_gap_mult * slow))
+
     def _renew(self, now: float, actions: list[Action]) -> None:
         # An outbound-only node hears the leader only in replies to its own requests and
         # never claims: it gives the lease more time before it reports a lapse.
-        self.lease_until = now + self.config.lease * (3 if self.me.outbound_only else 1)
+        self.renewed_at = now
+        self.lease_until = now + self.lease() * (3 if self.me.outbound_only else 1)
         self.claim_at = None
         if self.lapse_reported:
             self.lapse_reported = False
