@@ -41,10 +41,10 @@ def add_export_parser(sub) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from p2ptrain import checkpoint
     from p2ptrain.cli.commands import _resolve_checkpoint
+    from p2ptrain.errors import UserError
     from p2ptrain.models import model_from_arch
     from p2ptrain.models.hf import TOKENIZER_FILE, HFFormatError, export_hf
     from p2ptrain.models.rwkv import RWKV
-    from p2ptrain.errors import UserError
 
     path, manifest = _resolve_checkpoint(Path(args.checkpoint).expanduser())
     try:
