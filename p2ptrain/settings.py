@@ -104,6 +104,9 @@ class NetConfig:
                          "local (tests)", choices=tuple(PRESETS))
     open_routes: bool = option(True, "serve /v1/status, /metrics and the dashboard without "
                                "authentication (read-only)")
+    refused_seconds: float = option(60.0, "exit 2 (wrong swarm key) when every peer has "
+                                    "refused this node (HTTP 401) this long; 0: never",
+                                    minimum=0)
 
     def seeds(self) -> list[str]:
         """The static seed peers, in the order given."""

@@ -278,7 +278,8 @@ class Runtime:
                            event="outbound_only", incarnation=self.identity.incarnation)
 
 
-    def request_stop(self, reason: str) -> None:
+    def request_stop(self, reason: str, code: int = 0) -> None:
+        self.exit_code = self.exit_code or code
         if self.stop_reason is None:
             self.stop_reason = reason
             self.reporter.info(f"{reason}: stopping", event="stopping", reason=reason)
@@ -332,7 +333,7 @@ class Runtime:
             self.me = member_info(self.learner, self.hw, addr, self.settings.host.priority,
                                   self.outbound_only)
             self.outbox = Outbox.open(self.signer, self.bucket, self.on_frames, reporter,
-                                      self.settings.node)
+                                      self.settings.node, net.refused_seconds, self.request_stop)
             fetch = functools.partial(adopt_leader_checkpoint, self.outbox.session, self.signer,
                                       self.state_dir, self.learner, self.io_pool,
                                       lambda: self.node.replica_replaced(), reporter)
