@@ -28,7 +28,6 @@ from typing import Any
 from aiohttp import web
 
 from p2ptrain import checkpoint, proto
-from p2ptrain.fsutil import atomic_write_bytes
 from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.identity import load_or_create
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
@@ -38,7 +37,7 @@ from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.progress import every_second, progress_loop, say_membership
 from p2ptrain.net.reachability import Reachability
-from p2ptrain.net.saving import Saver
+from p2ptrain.net.saving import Saver, record_term
 from p2ptrain.net.server import Served, build_app, listen
 from p2ptrain.net.steps import Stepper
 from p2ptrain.proto import LeaderChanged, Node, Send, wire
@@ -224,7 +223,7 @@ class Runtime:
 
     def _leader_changed(self, action: LeaderChanged) -> None:
         if action.leader == self.node_id:
-            atomic_write_bytes(self.state_dir / TERM_FILE, f"{action.term}\n".encode())
+            record_term(self.state_dir / TERM_FILE, action.term, self.reporter.warn)
             self.reporter.info(f"leading the swarm (term {action.term})", event="leader",
                                leader=action.leader, term=action.term)
             self.saver.save(action.term, reason="new leader")
