@@ -89,6 +89,8 @@ def test_a_leader_on_a_full_disk_keeps_training_and_checkpoints_once_space_is_fr
         failed = wait_for("a checkpoint to fail", lambda: [
             e for e in node.events() if e.get("event") == "checkpoint_failed"], 60)
         assert "no space left" in failed[0]["message"].lower(), failed[0]
+        assert failed[0]["reason"] == "new leader", failed[0]  # not lost with the term file
+        assert [e for e in node.events() if e.get("event") == "term_not_recorded"]
         step = node.status()["step"]
         wait_for("it to keep stepping", lambda: node.status()["step"] > step + 20, 60)
         wait_for("the write to be retried (and fail again)", lambda: len(

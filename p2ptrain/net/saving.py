@@ -122,10 +122,11 @@ class Saver:
             await asyncio.sleep(0)  # let its done-callback report it
 
 
-def record_term(path: Path, term: int, warn: Callable[[str], None]) -> None:
+def record_term(path: Path, term: int, warn: Callable[..., None]) -> None:
     """Keep the highest term this node led (its term floor after a restart). A full disk is
     one warning: the node leads on, and learns the swarm's term back from its peers."""
     try:
         write_small(path, f"{term}\n".encode())
     except OSError as exc:
-        warn(f"cannot record the led term {term}: {describe_os_error(exc)}")
+        warn(f"cannot record the led term {term}: {describe_os_error(exc)}",
+             event="term_not_recorded")
