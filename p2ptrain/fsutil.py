@@ -2,11 +2,13 @@
 
 A write goes to a temporary file in the same directory, is fsynced, renamed over the target,
 and the directory is fsynced, so a crash leaves either the old content or the new, never a
-torn file.
+torn file. On a full disk, a small file that already exists can still be rewritten in place
+(its block is already allocated): `write_small` falls back to that.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -34,3 +36,35 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) 
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_small(path: str | os.PathLike, data: bytes) -> None:
+    """`atomic_write_bytes`, or on a full disk, when `path` exists and `data` fits in its
+    first block, an in-place overwrite (one sector-sized write: not torn in practice; the
+    reader strips the padding). OSError if neither is possible."""
+    try:
+        atomic_write_bytes(path, data)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or len(data) > 512:
+            raise
+        full = exc
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        raise full from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > 512:
+            raise full
+        padded = data.rstrip(b"\n").ljust(size - 1) + b"\n" if size > len(data) else data
+        os.pwrite(fd, padded, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for a failed write: what went wrong, and where."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"

@@ -15,7 +15,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from p2ptrain.fsutil import atomic_write_bytes
+from p2ptrain.fsutil import atomic_write_bytes, write_small
 
 KEY_FILE = "identity.key"
 INCARNATION_FILE = "incarnation"
@@ -63,7 +63,11 @@ def load_or_create(state_dir: Path, bump_incarnation: bool = True) -> Identity:
         private = Ed25519PrivateKey.from_private_bytes(raw)
     else:
         private = Ed25519PrivateKey.generate()
-        atomic_write_bytes(key_path, private.private_bytes_raw(), mode=0o600)
+        try:
+            atomic_write_bytes(key_path, private.private_bytes_raw(), mode=0o600)
+        except OSError as exc:
+            msg = f"cannot create this node's identity in {state_dir}: {exc.strerror or exc}"
+            raise IdentityError(msg) from None
     public = private.public_key().public_bytes_raw()
     inc_path = state_dir / INCARNATION_FILE
     incarnation = 0
@@ -75,5 +79,9 @@ def load_or_create(state_dir: Path, bump_incarnation: bool = True) -> Identity:
             raise IdentityError(msg) from None
     if bump_incarnation:
         incarnation += 1
-        atomic_write_bytes(inc_path, f"{incarnation}\n".encode())
+        try:  # in place when the disk is full: a restart must never reuse an incarnation
+            write_small(inc_path, f"{incarnation}\n".encode())
+        except OSError as exc:
+            msg = f"cannot record this start in {inc_path}: {exc.strerror or exc}"
+            raise IdentityError(msg) from None
     return Identity(private, public, node_id_of(public), incarnation)

@@ -45,6 +45,11 @@ class Reporter:
     def warn(self, text: str, event: str = "warning", **fields) -> None:
         self._emit(self.err, event, ("warning: " if self.fmt == "text" else "") + text, fields)
 
+    def error(self, text: str, event: str = "error", **fields) -> None:
+        """A problem that ends the run (the CLI's own errors print the same way)."""
+        self._emit(self.err, event, ("p2ptrain: error: " if self.fmt == "text" else "") + text,
+                   fields)
+
     def progress(self, step: int, loss: float, eval_loss: float | None, tokens_per_s: float,
                  samples: int, swarm_samples: int, total_samples: int, lr: float,
                  checkpoint_age: float | None) -> None:

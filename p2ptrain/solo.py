@@ -3,9 +3,10 @@ output around the pure Learner, on the same schedule as the networked runtime (h
 
 It starts from the node's identity and newest valid checkpoint (startup.py), trains until a
 bound is met (steps, duration, the run's total samples) or a signal arrives, evaluates on the
-held-out split and checkpoints on intervals, and on SIGINT/SIGTERM stops after the step in
-flight, writes its resume state if that fits in the grace period, and returns 0. A second
-signal exits at once. The networked node is p2ptrain.net.runtime.
+held-out split and checkpoints on intervals (a write that fails, e.g. on a full disk, is one
+warning: training goes on and the next interval retries), and on SIGINT/SIGTERM stops after
+the step in flight, writes its resume state if that fits in the grace period, and returns 0.
+A second signal exits at once. The networked node is p2ptrain.net.runtime.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import time
 
 from p2ptrain import checkpoint
+from p2ptrain.fsutil import describe_os_error
 from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.report import Reporter
 from p2ptrain.settings import Settings
@@ -50,8 +52,14 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
         saves += 1
         t0 = time.monotonic()
         plan.save_started(t0)
-        path = checkpoint.save(node.ckroot, learner.snapshot(term=0), node.identity,
-                               settings.checkpoint.keep, progress=fault(saves))
+        try:
+            path = checkpoint.save(node.ckroot, learner.snapshot(term=0), node.identity,
+                                   settings.checkpoint.keep, progress=fault(saves))
+        except OSError as exc:
+            reporter.warn(f"checkpoint not written: {describe_os_error(exc)}"
+                          + ("" if final else "; training goes on, the next interval retries"),
+                          event="checkpoint_failed", step=learner.step, final=final)
+            return
         plan.save_finished(time.monotonic() - t0)
         saved_any = True
         reporter.info(f"checkpoint {path.name} written in {plan.save_seconds:.2f}s"

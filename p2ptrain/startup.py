@@ -1,4 +1,5 @@
-"""What every node does before its first step, alone or networked: its identity, the model,
+"""What every node does before its first step, alone or networked: the lock on its state
+directory (statelock.py: one process per directory), its identity, the model,
 the corpus, the batch size (from the hardware when not given), the learner, and the newest
 valid local checkpoint to resume from (partial writes removed, damaged ones skipped).
 
@@ -26,6 +27,7 @@ from p2ptrain.models import build_model
 from p2ptrain.proto import MemberInfo
 from p2ptrain.report import Reporter
 from p2ptrain.settings import Settings
+from p2ptrain.statelock import lock_state_dir
 
 
 @dataclass
@@ -68,6 +70,7 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
     """Identity, learner (resumed from the newest valid local checkpoint) and checkpoint root
     of the node whose state directory the settings name."""
     state_dir = Path(settings.host.state_dir).expanduser()
+    lock_state_dir(state_dir)  # held for the life of the process: one node per directory
     identity = load_or_create(state_dir)
     model = build_model(settings.model_name, settings.model)
     corpus = load_corpus(settings.data.path, settings.data.holdout_fraction, model.ctx_len + 2)

@@ -102,7 +102,9 @@ def save(
 ) -> Path:
     """Write `snap` as a new checkpoint directory under `root`; prune to the newest `keep`.
 
-    `progress(file_name, bytes_written, total)` is called while the weight file is written."""
+    `progress(file_name, bytes_written, total)` is called while the weight file is written.
+    OSError (e.g. a full disk) leaves nothing behind and names `root` when the system did not
+    name a file."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(snap.term, snap.step)
     tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
@@ -141,8 +143,10 @@ def save(
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back at once
+        if isinstance(exc, OSError) and exc.filename is None:  # say which disk
+            raise OSError(exc.errno, exc.strerror, str(root)) from exc
         raise
     for old in list_checkpoints(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)

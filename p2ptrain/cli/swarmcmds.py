@@ -35,6 +35,7 @@ from p2ptrain.config import (
 from p2ptrain.errors import UserError
 from p2ptrain.net.auth import AuthError
 from p2ptrain.report import Reporter, human_count
+from p2ptrain.statelock import lock_state_dir, state_dir_of
 from p2ptrain.swarm import (
     Swarm,
     SwarmError,
@@ -287,6 +288,9 @@ def cmd_fetch(args, flags: dict) -> int:
     swarm = swarm_of(cfg, config_file)
     peers = [args.peer] if args.peer else [p for p in cfg["net.peers"].split(",") if p.strip()]
     out = Path(args.out).expanduser()
+    held = state_dir_of(out)
+    if held is not None:  # writing into a node's state: never while that node runs
+        lock_state_dir(held, instead="fetch into another --out")
     signer = throwaway_signer(swarm)
 
     def bar(done: int, total: int) -> None:

@@ -40,6 +40,10 @@ class HelloError(Exception):
     """The node at an address could not be identified; the message says why."""
 
 
+class HelloRefused(HelloError):
+    """The node refused our credentials (HTTP 401): it does not accept our swarm key."""
+
+
 async def hello(session: aiohttp.ClientSession, base: str, signer: Signer,
                 timeout: float = HELLO_TIMEOUT) -> Receiver:
     """Ask the node at `base` (http://host:port) who it is; HelloError if it cannot say."""
@@ -56,7 +60,7 @@ async def hello(session: aiohttp.ClientSession, base: str, signer: Signer,
         raise HelloError(f"{base} does not answer {HELLO}: it runs an older p2ptrain (protocol "
                          f"1); this node speaks protocol {PROTOCOL_VERSION}")
     if status == 401:
-        raise HelloError(f"{base} refused our authentication (HTTP 401: {_reason(body)}); is "
+        raise HelloRefused(f"{base} refused our authentication (HTTP 401: {_reason(body)}); is "
                          f"this the right swarm key?")
     if status != 200 or len(body) > MAX_ANSWER:
         raise HelloError(f"{base} refused our hello (HTTP {status}: {_reason(body)})")

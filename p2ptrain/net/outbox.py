@@ -10,13 +10,15 @@ decide what a silent peer means. Every request names its receiver (auth.py): the
 who is at an address by hello (hello.py) before its first request there, and when a receiver
 refuses a request as not meant for it (401: it restarted, or another node took the address),
 it says hello again and, if someone else answers, sends the message once more. Control bodies
-use the upload cap's control lane (pacing.py). A driver: it does I/O and never decides
-anything.
+use the upload cap's control lane (pacing.py). Refusals of our MAC (HTTP 401 without a
+response MAC) go to a `RefusalWatch` (refusals.py), which ends the node when every peer
+refuses its swarm key. A driver: it does I/O and never decides anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -24,8 +26,9 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from p2ptrain.net.auth import MAC, AuthError, Signer
-from p2ptrain.net.hello import HelloError, Receivers
+from p2ptrain.net.hello import HelloError, HelloRefused, Receivers
 from p2ptrain.net.pacing import TokenBucket, paced
+from p2ptrain.net.refusals import RefusalWatch
 from p2ptrain.net.routes import MAX_REPLY, read_limited, route_of
 from p2ptrain.proto import RemoteProtocolError, Send, wire
 
@@ -40,18 +43,34 @@ BULK_TIMEOUT = 300.0  # s for a gradient push (slow uplinks)
 CONNECT_TIMEOUT = 5.0  # s to open a connection
 
 
+class Refused(Exception):
+    """A peer answered 401 without a MAC: it does not accept ours."""
+
+
 class Outbox:
     """Posts messages for one node; `on_frames(addr, frames)` receives response frames."""
 
     @classmethod
     def open(cls, signer: Signer, bucket: TokenBucket,
              on_frames: Callable[[str, list[bytes]], None], reporter: Reporter,
-             limits: NodeConfig) -> Outbox:
-        """An outbox with its own two connection pools (closed by `close`)."""
+             limits: NodeConfig, refused_seconds: float = 0.0,
+             stop: Callable[[str, int], None] | None = None) -> Outbox:
+        """An outbox with its own two connection pools (closed by `close`); when every peer
+        refuses our key for `refused_seconds` (0: never), it calls `stop(reason, 2)`."""
         bulk, control = (aiohttp.ClientSession(connector=aiohttp.TCPConnector(
             limit=limit, limit_per_host=per_host), auto_decompress=False)
             for limit, per_host in ((64, 4), (256, 8)))
-        return cls(bulk, control, signer, bucket, on_frames, reporter, limits)
+        box = cls(bulk, control, signer, bucket, on_frames, reporter, limits)
+
+        def wrong_key(message: str) -> None:
+            reporter.error(message, event="wrong_key")
+            if stop is not None:
+                stop("the swarm key is wrong: every peer refuses it", 2)
+
+        box.refusals = RefusalWatch(refused_seconds, asyncio.get_running_loop().time,
+                                    wrong_key, lambda text: reporter.warn(text,
+                                                                          event="refused"))
+        return box
 
     def __init__(self, session: aiohttp.ClientSession, control_session: aiohttp.ClientSession,
                  signer: Signer, bucket: TokenBucket,
@@ -72,6 +91,7 @@ class Outbox:
         self.tasks: set[asyncio.Task] = set()
         self.last_error: dict[str, str] = {}
         self.receivers = Receivers(lambda: self.control_session, lambda: self.signer)
+        self.refusals: RefusalWatch | None = None  # see `open`
 
     def send(self, action: Send) -> None:
         """Start posting `action.envelope` to `action.addr` (returns at once)."""
@@ -113,6 +133,8 @@ class Outbox:
                         self.receivers.forget(addr, to)
                         if await self.receivers.get(addr) != to:
                             continue
+                    if resp.status == 401 and MAC not in resp.headers:  # our key refused
+                        raise Refused(_reason(body))
                     if resp.status >= 400 and MAC not in resp.headers:  # refused unread
                         raise RemoteProtocolError(f"refused (HTTP {resp.status}): "
                                                   f"{bytes(body[:300]).decode('latin-1')}")
@@ -125,13 +147,22 @@ class Outbox:
             self.stats["sent"] += 1
             self.failures.pop(addr, None)
             self.last_error.pop(addr, None)
+            if self.refusals is not None:
+                self.refusals.accepted(addr)
             if frames:
                 self.on_frames(addr, frames)
         except asyncio.CancelledError:
             raise
+        except (Refused, HelloRefused) as exc:
+            self.failures[addr] += 1
+            self.stats["refused"] += 1
+            if self.refusals is not None:
+                self.refusals.refused(addr, str(exc))
         except (aiohttp.ClientError, TimeoutError, OSError, AuthError, HelloError,
                 RemoteProtocolError) as exc:
             self._failed(addr, route, exc)
+            if self.refusals is not None:
+                self.refusals.failed(addr)
         finally:
             if bulk:
                 self.in_flight[addr] -= 1
@@ -160,3 +191,12 @@ class Outbox:
             await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.session.close()
         await self.control_session.close()
+
+
+def _reason(body: bytes) -> str:
+    """The refusal's reason as the peer put it (unauthenticated: short, printable only)."""
+    try:
+        text = str(json.loads(body).get("error", ""))
+    except (ValueError, AttributeError):
+        text = ""
+    return "".join(c for c in text[:120] if c.isprintable()) or "unauthorized"

@@ -29,7 +29,6 @@ from typing import Any
 from aiohttp import web
 
 from p2ptrain import checkpoint, proto
-from p2ptrain.fsutil import atomic_write_bytes
 from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.identity import load_or_create
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
@@ -39,7 +38,7 @@ from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.progress import every_second, progress_loop, say_leader, say_membership
 from p2ptrain.net.reachability import Reachability
-from p2ptrain.net.saving import Saver
+from p2ptrain.net.saving import Saver, record_term
 from p2ptrain.net.server import Limits, Served, build_app, listen
 from p2ptrain.net.steps import Stepper
 from p2ptrain.proto import LeaderChanged, Node, Send, wire
@@ -233,7 +232,7 @@ class Runtime:
     def _leader_changed(self, action: LeaderChanged) -> None:
         say_leader(self.reporter, action, self.node_id)
         if action.leader == self.node_id:
-            atomic_write_bytes(self.state_dir / TERM_FILE, f"{action.term}\n".encode())
+            record_term(self.state_dir / TERM_FILE, action.term, self.reporter.warn)
             self.saver.save(action.term, reason="new leader")
 
     def _make_node(self, joined: bool = False) -> Node:
@@ -277,7 +276,8 @@ class Runtime:
                            event="outbound_only", incarnation=self.identity.incarnation)
 
 
-    def request_stop(self, reason: str) -> None:
+    def request_stop(self, reason: str, code: int = 0) -> None:
+        self.exit_code = self.exit_code or code
         if self.stop_reason is None:
             self.stop_reason = reason
             self.reporter.info(f"{reason}: stopping", event="stopping", reason=reason)
@@ -331,7 +331,7 @@ class Runtime:
             self.me = member_info(self.learner, self.hw, addr, self.settings.host.priority,
                                   self.outbound_only)
             self.outbox = Outbox.open(self.signer, self.bucket, self.on_frames, reporter,
-                                      self.settings.node)
+                                      self.settings.node, net.refused_seconds, self.request_stop)
             self.fetcher = JoinFetcher(self.outbox.session, self.signer, self.state_dir,
                                        self.learner.fingerprint, self.io_pool,
                                        lambda event: self.handle(event), reporter)

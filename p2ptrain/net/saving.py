@@ -3,12 +3,15 @@ it is consistent), write the copy in the I/O thread while training goes on.
 
 One write at a time: a save asked for while one is running is skipped and counted (the next
 one comes soon). The copy costs one replica of memory (weights and optimiser moments) for the
-duration of the write. A driver: threads and files.
+duration of the write. A write that fails (a full disk) is one warning line; training goes on
+and the save is retried after a back-off that doubles up to RETRY_MAX (any save meanwhile, a
+periodic or a leader's one, takes the retry's place). A driver: threads and files.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -18,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2ptrain import checkpoint
+from p2ptrain.fsutil import describe_os_error, write_small
+
+RETRY_FIRST, RETRY_MAX = 5.0, 300.0  # s: back-off of the retry after a failed write
 
 if TYPE_CHECKING:
     from p2ptrain.housekeeping import Housekeeping
@@ -50,6 +56,8 @@ class Saver:
         self.fault, self.plan = fault, plan
         self.future: asyncio.Future | None = None
         self.count = 0  # saves started
+        self.failures = 0  # writes failed in a row
+        self.retry: asyncio.TimerHandle | None = None  # the retry of a failed write
 
     @property
     def seconds(self) -> float:
@@ -61,6 +69,9 @@ class Saver:
         if self.future is not None:
             self.count_event("checkpoints_skipped_busy")
             return
+        if self.retry is not None:  # this save takes the place of a pending retry
+            self.retry.cancel()
+            self.retry = None
         snap = copy_snapshot(self.learner, term)
         self.count += 1
         progress = self.fault(self.count)
@@ -76,16 +87,46 @@ class Saver:
             try:
                 path = f.result()
             except Exception as exc:
-                self.reporter.warn(f"checkpoint failed: {exc}", event="checkpoint_failed")
+                self._failed(exc, term, reason, final)
                 return
+            self.failures = 0
             self.reporter.info(f"checkpoint {path.name} written in {self.seconds:.2f}s "
                                f"({reason}{', final' if final else ''})", event="checkpoint",
                                path=str(path), step=snap.step, term=term, final=final)
 
         future.add_done_callback(done)
 
+    def _failed(self, exc: Exception, term: int, reason: str, final: bool) -> None:
+        """Say in one line why the write failed; retry later (not a final save: the node is
+        stopping)."""
+        self.count_event("checkpoints_failed")
+        self.failures += 1
+        why = describe_os_error(exc) if isinstance(exc, OSError) else str(exc) or repr(exc)
+        delay = min(RETRY_MAX, RETRY_FIRST * 2 ** (self.failures - 1))
+        then = "" if final else f"; training goes on, retrying in {delay:.0f}s"
+        self.reporter.warn(f"checkpoint not written ({reason}): {why}{then}",
+                           event="checkpoint_failed", reason=reason, failures=self.failures)
+        if not final:
+            self.retry = asyncio.get_running_loop().call_later(
+                delay, self._retry, term, reason.removesuffix(", retry") + ", retry")
+
+    def _retry(self, term: int, reason: str) -> None:
+        self.retry = None
+        with contextlib.suppress(RuntimeError):  # the I/O thread is gone: the node stopped
+            self.save(term, reason=reason)
+
     async def wait(self, timeout: float) -> None:
         """Wait up to `timeout` s for the write in progress, if any."""
         if self.future is not None:
             await asyncio.wait([self.future], timeout=timeout)
             await asyncio.sleep(0)  # let its done-callback report it
+
+
+def record_term(path: Path, term: int, warn: Callable[..., None]) -> None:
+    """Keep the highest term this node led (its term floor after a restart). A full disk is
+    one warning: the node leads on, and learns the swarm's term back from its peers."""
+    try:
+        write_small(path, f"{term}\n".encode())
+    except OSError as exc:
+        warn(f"cannot record the led term {term}: {describe_os_error(exc)}",
+             event="term_not_recorded")

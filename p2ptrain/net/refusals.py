@@ -1,0 +1,67 @@
+"""Telling a wrong swarm key from peers that are merely down: a node whose key is wrong gets
+HTTP 401 (with no response MAC) from every peer it asks, and would otherwise train alone
+forever, warning only that a "response carries no MAC".
+
+`RefusalWatch` is told the outcome of every request the node sends. Once a peer refuses us
+it says so in one warning; when, for `window` seconds and at least `MIN_REFUSALS` requests,
+every address we asked refused us at least once and no request was accepted, it gives its
+verdict: the swarm key is wrong (or every peer named belongs to another swarm). An accepted
+request (a response whose MAC verifies) clears everything. An address that only fails
+otherwise (refused connection, timeout) holds the verdict back: it may be a member that is
+still starting. Pure bookkeeping: the clock is passed in, and it never does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+MIN_REFUSALS = 3  # requests refused before a verdict, however short the window
+
+
+class RefusalWatch:
+    """Counts 401 refusals since the last accepted request; `on_verdict(message)` once."""
+
+    def __init__(self, window: float, now: Callable[[], float],
+                 on_verdict: Callable[[str], None], warn: Callable[[str], None]):
+        self.window, self.now = window, now  # window 0: never give a verdict
+        self.on_verdict, self.warn = on_verdict, warn
+        self.since: float | None = None  # first refusal since the last accepted request
+        self.refusals = 0
+        self.refused_by: dict[str, bool] = {}  # address asked since -> it refused us
+        self.warned = self.given = False
+
+    def accepted(self, addr: str) -> None:
+        """A request to `addr` got an authenticated answer: our key is the swarm's."""
+        self.since, self.refusals = None, 0
+        self.refused_by.clear()
+
+    def refused(self, addr: str, reason: str) -> None:
+        """`addr` answered 401: it did not accept our MAC (or saw a replay)."""
+        if self.since is None:
+            self.since = self.now()
+        self.refusals += 1
+        self.refused_by[addr] = True
+        if not self.warned:
+            self.warned = True
+            self.warn(f"{addr} refuses this node's requests (HTTP 401: {reason}): is the "
+                      f"swarm key right?")
+        self._judge()
+
+    def failed(self, addr: str) -> None:
+        """A request to `addr` failed otherwise (no answer, another status)."""
+        if self.since is not None:
+            self.refused_by.setdefault(addr, False)
+
+    def _judge(self) -> None:
+        if (self.given or self.window <= 0 or self.since is None
+                or self.refusals < MIN_REFUSALS or not all(self.refused_by.values())):
+            return
+        waited = self.now() - self.since
+        if waited < self.window:
+            return
+        self.given = True
+        who = ", ".join(sorted(self.refused_by))
+        self.on_verdict(f"every peer refuses this node (HTTP 401 from {who} for {waited:.0f}s, "
+                        f"{self.refusals} requests, none accepted): the swarm key is wrong -- "
+                        f"check --token, --token-file or the config's key_file (or the peers "
+                        f"named belong to another swarm)")
