@@ -10,6 +10,7 @@ Snapshots for checkpoints are views of the live buffers; `restore` loads one bac
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from p2ptrain.options import option
 from p2ptrain.swarmcount import SwarmCount
 
 EVAL_BATCH = 32  # held-out windows per forward pass
+JUDGE_WINDOWS = 16  # held-out windows a fetched checkpoint is judged on
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +140,27 @@ class Learner:
             total += self.model.loss(self.params, chunk) * len(chunk)
             n += len(chunk)
         return total / n
+
+    def evaluate_params(self, params: np.ndarray, windows: int = JUDGE_WINDOWS) -> float:
+        """Held-out loss of other weights on the first `windows` fixed evaluation windows
+        (the same on every node that reads the same corpus)."""
+        chunk = self.heldout[:windows]
+        return float(self.model.loss(params, chunk))
+
+    def judge_checkpoint(self, path: Path) -> tuple[float, float]:
+        """(loss of the checkpoint's weights, loss of our own) on the same fixed held-out
+        batch; inf for weights that do not load or are not finite. Reads a second copy of the
+        weights: it runs once, when a node joins."""
+        params = self.model.space.zeros()
+        try:
+            checkpoint.load_tensors(path, checkpoint.MODEL_FILE, self.model.space.views(params))
+        except checkpoint.CheckpointError:
+            return math.inf, self.evaluate_params(self.params)
+        if not np.isfinite(params).all():
+            return math.inf, self.evaluate_params(self.params)
+        with np.errstate(all="ignore"):
+            loss = self.evaluate_params(params)
+        return (loss if math.isfinite(loss) else math.inf), self.evaluate_params(self.params)
 
     def snapshot(self, term: int) -> checkpoint.Snapshot:
         space = self.model.space

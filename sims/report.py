@@ -79,7 +79,8 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return ["plots skipped: matplotlib is not installed (pip install 'p2ptrain[plot]')"]
+        return ["plots skipped: matplotlib is not installed (from a clone: "
+                ".venv/bin/pip install -e '.[plot]')"]
     name = results["scenario"]
     written = []
     if results.get("mode") == "traffic":

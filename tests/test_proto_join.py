@@ -129,3 +129,28 @@ def test_a_restarted_node_retries_through_a_broken_link_then_adopts():
     times = [t for t, i, _ in c.fetches if i == joiner]
     assert all(b > a for a, b in zip(times, times[1:], strict=False))
     assert np.isfinite(node.learner.params).all()
+
+
+def test_a_wrecked_or_far_worse_checkpoint_is_refused():
+    """Issue 13, item 13: a hostile leader cannot hand its joiners wrecked weights."""
+    def offer(event, reference=None):
+        join = Join(now=0.0, own_samples=0, timeout=5, attempts=3, backoff=1, backoff_max=4)
+        join.advance(0.0, "me", "L", lambda _i: "10.0.0.1:7100")
+        return join, join.fetched(0.5, event, reference)
+
+    inf = float("inf")
+    for event, reference, adopted in [
+        (CheckpointFetched("ck", 900, loss=inf, own_loss=5.5), None, False),  # not finite
+        (CheckpointFetched("ck", 900, loss=9.0, own_loss=5.5), None, False),  # worse than ours
+        (CheckpointFetched("ck", 900, loss=4.0, own_loss=5.5), 2.1, False),  # the swarm: 2.1
+        (CheckpointFetched("ck", 900, loss=2.2, own_loss=5.5), 2.1, True),
+        (CheckpointFetched("ck", 900, loss=2.0, own_loss=5.5), None, True),
+        (CheckpointFetched("ck", 900), None, True),  # not judged (no loss measured)
+    ]:
+        join, actions = offer(event, reference)
+        names = [type(a).__name__ for a in actions]
+        assert join.done and names == (["AdoptCheckpoint", "Joined"] if adopted
+                                       else ["Joined"]), (event, names)
+        assert (join.refused == "L") == (not adopted)
+        if not adopted:
+            assert actions[0].reason.startswith("refused the leader's checkpoint")

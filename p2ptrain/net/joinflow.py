@@ -35,8 +35,9 @@ class JoinFetcher:
 
     def __init__(self, session: aiohttp.ClientSession, signer: Signer, state_dir: Path,
                  fingerprint: str, io: Executor, answer: Callable[[CheckpointFetched], None],
-                 reporter: Reporter):
+                 reporter: Reporter, judge: Callable[[Path], tuple[float, float]]):
         self.session, self.signer, self.io = session, signer, io
+        self.judge = judge  # path -> (its held-out loss on a fixed batch, our replica's)
         self.root = state_dir / FETCHED_DIR
         self.fingerprint, self.answer, self.reporter = fingerprint, answer, reporter
         self.manifests: dict[str, dict] = {}  # path -> manifest of what was fetched
@@ -72,7 +73,10 @@ class JoinFetcher:
                 return CheckpointFetched(None, reason="the leader's checkpoint is of another "
                                          "model", retry=False)
             self.manifests[str(path)] = manifest
-            return CheckpointFetched(str(path), int(manifest["swarm_samples"]))
+            loss, own = await asyncio.get_running_loop().run_in_executor(self.io, self.judge,
+                                                                         path)
+            return CheckpointFetched(str(path), int(manifest["swarm_samples"]), loss=loss,
+                                     own_loss=own)
         self.reporter.warn(f"checkpoint fetch failed: {reason}", event="fetch_failed",
                            attempt=action.attempt)
         return CheckpointFetched(None, reason=reason, retry=True)

@@ -334,7 +334,8 @@ class Runtime:
                                       self.settings.node, net.refused_seconds, self.request_stop)
             self.fetcher = JoinFetcher(self.outbox.session, self.signer, self.state_dir,
                                        self.learner.fingerprint, self.io_pool,
-                                       lambda event: self.handle(event), reporter)
+                                       lambda event: self.handle(event), reporter,
+                                       self.learner.judge_checkpoint)
             self.node = self._make_node()
             reporter.info(f"node {self.node_id[:12]} listening on {net.bind}:{port}, "
                           f"advertised as {addr}, swarm {self.swarm.name!r} "

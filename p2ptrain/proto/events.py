@@ -80,6 +80,8 @@ class CheckpointFetched(Event):
     swarm_samples: int = 0  # the checkpoint's swarm sample count
     reason: str = ""  # why there is no checkpoint (path None)
     retry: bool = True  # path None: a transient failure (worth another try, with back-off)
+    loss: float | None = None  # the checkpoint's held-out loss on a fixed batch (inf: unusable)
+    own_loss: float | None = None  # this node's replica's loss on the same batch
 
 
 @dataclass(frozen=True, slots=True)

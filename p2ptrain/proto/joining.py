@@ -11,6 +11,10 @@ Rules it keeps:
 - The decision is made against the replica the node *started* with (`own_samples`): nothing
   a joiner hears before the fetch (counters in headers, averaging requests, which it declines)
   may make it believe its replica is current.
+- A checkpoint is adopted only if its weights load and are finite and its held-out loss on
+  a fixed batch (the driver measures it, and our own replica's on the same batch) is not far
+  above what the swarm reports (else our own): a hostile or broken leader cannot hand its
+  joiners wrecked weights. The leader whose checkpoint was refused is named (`refused`).
 - A failed fetch is retried with exponential back-off (`fetch_backoff` doubling up to
   `fetch_backoff_max`), each time from whoever leads then, at most `fetch_attempts` times;
   a leader that has no checkpoint yet is not asked again (retry False). Then the node
@@ -37,7 +41,8 @@ class Join:
     """One node's join: see the module docstring."""
 
     def __init__(self, *, now: float, own_samples: int, timeout: float, attempts: int,
-                 backoff: float, backoff_max: float, enabled: bool = True):
+                 backoff: float, backoff_max: float, enabled: bool = True,
+                 loss_tolerance: float = 0.25):
         self.started = now
         self.own_samples = own_samples  # swarm samples of the replica the node started with
         self.timeout = timeout  # s to wait for a leader at all
@@ -46,8 +51,11 @@ class Join:
         self.attempt = 0
         self.retry_at = 0.0
         self.wait_from = now  # when the current wait for a leader began
+        self.fetching_from = ""  # the leader the fetch in flight asks
         self.reason = "" if enabled else "joining without a fetch"
         self.last_error = ""
+        self.loss_tolerance = loss_tolerance  # see `acceptable`
+        self.refused: str | None = None  # the leader whose checkpoint was refused, if any
 
     @property
     def done(self) -> bool:
@@ -73,6 +81,7 @@ class Join:
         if addr is not None:
             self.state = FETCHING
             self.attempt += 1
+            self.fetching_from = leader
             return [FetchCheckpoint(leader, (addr,), self.attempt)]
         if now >= self.wait_from + self.timeout:
             if self.attempt:
@@ -81,11 +90,32 @@ class Join:
             return self._finish(f"no leader answered within {self.timeout:g}s")
         return []
 
-    def fetched(self, now: float, event: CheckpointFetched) -> list[Action]:
-        """The driver's answer to our FetchCheckpoint."""
+    def unacceptable(self, event: CheckpointFetched, reference: float | None) -> str:
+        """Why a fetched checkpoint must not be adopted ("" if it may): weights that are not
+        finite or do not load, or a held-out loss far above the reference (what the swarm
+        reports, else our own replica's on the same batch) -- a hostile or broken leader
+        cannot hand joiners wrecked weights."""
+        if event.loss is None:
+            return ""
+        if not event.loss < float("inf"):
+            return "its weights are not finite"
+        ref = reference if reference is not None else event.own_loss
+        if ref is not None and event.loss > ref * (1 + self.loss_tolerance) + 0.05:
+            return f"held-out loss {event.loss:.3f} against {ref:.3f}"
+        return ""
+
+    def fetched(self, now: float, event: CheckpointFetched,
+                reference: float | None = None) -> list[Action]:
+        """The driver's answer to our FetchCheckpoint (`reference`: the loss the swarm
+        reports, if known)."""
         if self.state != FETCHING:
             return []  # a late answer (the join ended meanwhile): nothing to do
         if event.path is not None:
+            problem = self.unacceptable(event, reference)
+            if problem:
+                self.refused = self.fetching_from
+                return self._finish(f"refused the leader's checkpoint ({problem}); starting "
+                                    f"from the local weights")
             if event.swarm_samples > self.own_samples:
                 return [AdoptCheckpoint(event.path, event.swarm_samples),
                         *self._finish(f"weights from the leader's checkpoint "

@@ -199,7 +199,7 @@ class Node:
         elif kind is Received:
             actions = self._received(now, event, msgs)
         elif kind is CheckpointFetched:
-            actions = self.join.fetched(now, event)
+            actions = self.join.fetched(now, event, self._swarm_loss())
             if any(type(a) is AdoptCheckpoint for a in actions):
                 self.trainer.close()  # queued gradients and exchanges belong to the old replica
         elif kind is Evaluated:
@@ -230,6 +230,12 @@ class Node:
             actions += self.join.advance(now, self.node_id, self.control.leader, self._addr_of)
         self._maybe_step(now, actions)
         return actions
+
+    def _swarm_loss(self) -> float | None:
+        """The median training loss the other members last reported (None if none did)."""
+        losses = sorted(loss for _, loss in self.trainer.peer_progress.values()
+                        if loss is not None)
+        return losses[len(losses) // 2] if losses else None
 
     def _addr_of(self, node_id: str) -> str | None:
         """The address of a live member that accepts connections (None otherwise)."""
