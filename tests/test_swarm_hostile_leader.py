@@ -14,7 +14,7 @@ from p2ptrain.data import load_corpus
 from p2ptrain.identity import load_or_create
 from p2ptrain.learner import Learner
 from p2ptrain.models import build_model
-from tests.swarmlab import SMALL_SWARM_TOML, SwarmLab, free_ports, wait_for
+from tests.swarmlab import SwarmLab, free_ports, wait_for
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
