@@ -77,10 +77,25 @@ def test_sample_prints_generated_text(tmp_path, small_mlp_config):
     assert run_cli("join", "--config", str(small_mlp_config), "--state-dir", str(state),
                    "--steps", "5").returncode == 0
     r = subprocess.run([sys.executable, "-m", "p2ptrain", "sample", "--checkpoint", str(state),
-                        "--prompt", "ROMEO:", "--length", "50"], capture_output=True,
+                        "--prompt", "ROMEO:", "--length", "50", "--raw"], capture_output=True,
                        env=cli_env(), cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(b"ROMEO:") and len(r.stdout) == len("ROMEO:") + 50 + 1
+    # without --raw: text a terminal shows as text, whatever bytes a barely trained model
+    # emits (invalid UTF-8, ESC and other control characters)
+    r = subprocess.run([sys.executable, "-m", "p2ptrain", "sample", "--checkpoint", str(state),
+                        "--length", "400", "--temperature", "3"], capture_output=True,
+                       env=cli_env(), cwd=REPO, timeout=120)
+    text = r.stdout.decode("utf-8")  # valid UTF-8
+    assert r.returncode == 0 and all(ch in "\n\t" or ch.isprintable() for ch in text)
+
+
+def test_printable_escapes_what_could_drive_a_terminal():
+    from p2ptrain.sample import Printable
+
+    p = Printable()
+    out = p.feed(b"ab\x1b[31mc\xc3") + p.feed(b"\xa9\xff\x07\tz\n", final=True)
+    assert out == "ab\\x1b[31mc\u00e9\ufffd\\x07\tz\n"
 
 
 def test_config_show_hw_and_bench_json(tmp_path):

@@ -68,3 +68,11 @@ def test_joiners_adopt_the_leaders_newer_checkpoint(tmp_path):
         assert back.status()["swarm_samples"] > own + 2000
         codes = lab.stop_all()
         assert all(c == 0 for c in codes[:2] + codes[3:]), codes
+
+
+def test_a_networked_node_takes_exactly_the_steps_asked(tmp_path):
+    with SwarmLab(tmp_path) as lab:
+        node = lab.start("n0", free_ports(1)[0], [], "--steps", "2")
+        assert node.popen.wait(90) == 0
+        stopped = [e for e in node.events() if e.get("event") == "stopped"]
+        assert stopped and stopped[-1]["step"] == 2, stopped

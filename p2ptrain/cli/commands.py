@@ -56,7 +56,7 @@ def cmd_config_show(args) -> int:
 
 def cmd_sample(args) -> int:
     from p2ptrain.models import model_from_arch
-    from p2ptrain.sample import generate
+    from p2ptrain.sample import Printable, generate
 
     if args.length < 0:
         raise UserError("--length must be >= 0")
@@ -71,13 +71,17 @@ def cmd_sample(args) -> int:
     checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(params))
     prompt = args.prompt.encode("utf-8")
     out = sys.stdout.buffer
-    out.write(prompt)
+    text = None if args.raw else Printable()
+
+    def write(data: bytes, final: bool = False) -> None:
+        out.write(data if text is None else text.feed(data, final).encode("utf-8"))
+        out.flush()
+
+    write(prompt)
     for byte in generate(model, params, prompt, args.length, args.temperature,
                          np.random.default_rng(args.seed)):
-        out.write(bytes([byte]))
-        out.flush()
-    out.write(b"\n")
-    out.flush()
+        write(bytes([byte]))
+    write(b"\n", final=True)
     return 0
 
 

@@ -195,7 +195,8 @@ class Runtime:
         if self._switch_pending:  # at a step boundary: the new node asks for its own step
             self._become_outbound_only()
             return
-        self.steps.start(step, hold=self._stop.is_set())
+        bound = self.plan.stop_reason(self.now(), self.learner.step)  # --steps is exact
+        self.steps.start(step, hold=self._stop.is_set() or bound is not None)
 
     def _joined(self, why: str) -> None:
         self.fetcher.clean()  # partial downloads, older fetched checkpoints
