@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from p2ptrain.options import option
+
 
 @dataclass(frozen=True, slots=True)
 class ProtoConfig:
@@ -38,6 +40,9 @@ class ProtoConfig:
     # -- checkpoints --------------------------------------------------------------------------
     checkpoint_interval: float = 60.0  # s; the leader saves a checkpoint this often
     checkpoint_samples: int = 0  # or after this many swarm samples since the last one (0: off)
+    # -- trust bounds (what one member may move) ----------------------------------------------
+    max_epoch_step: int = option(1 << 16, "a term or incarnation a peer reports may lead the "
+                                 "highest this node has seen by at most this much", minimum=1)
 
     def __post_init__(self) -> None:
         positive = ("probe_interval", "probe_timeout", "suspicion_mult", "outbound_timeout",
@@ -55,6 +60,8 @@ class ProtoConfig:
             raise ValueError("claim_backoff must be >= 0")
         if self.lease <= self.heartbeat_interval:
             raise ValueError("lease must be longer than heartbeat_interval")
+        if not isinstance(self.max_epoch_step, int) or not 1 <= self.max_epoch_step <= 2**32:
+            raise ValueError("max_epoch_step must be an int in 1..2^32")
         for name in ("indirect_probes", "retransmit_mult", "max_piggyback", "checkpoint_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
