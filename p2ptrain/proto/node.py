@@ -231,7 +231,8 @@ class Node:
         gossip = isinstance(body, GOSSIP_BODIES)
         if gossip and self.control.member(header.sender) is not None:
             try:  # checked whole before the header may change anything
-                parsed = self.trainer.parse(header.sender, body)
+                parsed = self.trainer.parse(header.sender, body,
+                                            decline=self.phase == JOINING or self.hold)
             except CodecError as exc:
                 return [RemoteError(event.addr, header.sender, exc.reason)]
         actions = self.control.handle(now, Received(event.addr, message))
@@ -322,7 +323,8 @@ class Node:
                 "bytes_in": self.bytes_in[peer], "bytes_out": self.bytes_out[peer],
                 "rtt_ms": None if stats.rtt is None else stats.rtt * 1e3,
                 "bandwidth": stats.bandwidth,
-                "gradients_used": trainer.mixer.used[bytes.fromhex(peer)]})
+                "gradients_used": trainer.mixer.used[bytes.fromhex(peer)],
+                "averages_refused": trainer.guard.refused[peer]})
         mix = trainer.last_mix
         return {
             "node_id": self.node_id, "phase": self.phase, "step": learner.step,
@@ -332,6 +334,7 @@ class Node:
             "bytes_in": sum(self.bytes_in.values()), "bytes_out": sum(self.bytes_out.values()),
             "consensus_distance": trainer.distance, "skipped_steps": self.skipped,
             "peers_last_mix": 0 if mix is None else len(mix.peers),
-            "gossip": dict(trainer.stats), "drops": dict(trainer.mixer.drops),
+            "gossip": {**trainer.stats, "average_fallbacks": trainer.guard.fallbacks},
+            "drops": dict(trainer.mixer.drops),
             "members": members,
         }
