@@ -16,7 +16,7 @@ from p2ptrain.proto.messages import (
     SyncRequest,
     Yield,
 )
-from p2ptrain.proto.records import LEFT, MAX_EPOCH, LeaderView, Update
+from p2ptrain.proto.records import LEFT, LeaderView, Update
 from tests.cluster.harness import Cluster
 
 HUGE = 2**52
@@ -165,3 +165,103 @@ def test_a_sync_listing_a_huge_incarnation_is_merged_without_it():
     assert state == "alive" and inc < STEP
     assert c.control(target).membership.table.ceiling <= c.control(target).incarnation + STEP
     assert c.control(target).membership.table.skipped == 1
+
+
+# -- item 9: the swarm sample count --------------------------------------------------------------
+
+
+def _training(n: int = 4, total: int = 100_000, step_seconds=0.25):
+    from tests.test_node import cluster
+
+    c = cluster(n, step_seconds=step_seconds, total_samples=total)
+    c.run_until(6.0)
+    assert all(c.training_node(i).phase == "training" for i in range(n))
+    return c
+
+
+def _forged_counts(c, forger: int, victim: int, value: int):
+    """Every way a member can hand node `victim`'s neighbours a sample count of `value`."""
+    from p2ptrain.proto.gossip.messages import AverageRequest
+
+    fid, vid = c.nodes[forger].info.node_id, c.nodes[victim].info.node_id
+    ctl = c.training_node(forger).control
+    listing = ctl.membership.table.listing()
+    yield Header(PROTOCOL_VERSION, fid, ctl.incarnation, c.nodes[forger].info.addr,
+                 c.nodes[forger].info.fingerprint, value, 1, 1, None, ()), Notify()
+    yield _header(c, forger), SyncRequest(listing, {vid: value, fid: value})
+    yield _header(c, forger), AverageRequest(5, 1, {vid: value, "e" * 32: value}, (b"x",))
+
+
+def test_a_member_sending_the_runs_total_does_not_end_the_run():
+    total = 100_000
+    c = _training(total=total)
+    forger = 1
+    for i in c.up():
+        if i == forger:
+            continue
+        for header, body in _forged_counts(c, forger, 2, total):
+            c.inject(i, Envelope(header, body), c.nodes[forger].info.addr)
+    for value in (2**53, total):  # ... nor a larger forged count, nor a second try
+        for header, body in _forged_counts(c, forger, 3, value):
+            c.inject(0, Envelope(header, body), c.nodes[forger].info.addr)
+    c.run_for(10.0)
+    for i in c.up():
+        node = c.training_node(i)
+        assert node.phase == "training" and node.learner.count.total < total // 4, i
+        assert "e" * 32 not in node.learner.count.as_dict()  # not a member: no entry
+        assert node.control.sample_counts().keys() <= {n.info.node_id for n in c.nodes}
+    true = sum(c.training_node(i).learner.samples for i in c.up())
+    counts = [c.training_node(i).learner.count.total for i in c.up()]
+    assert max(counts) < true + 4 * LOCAL.count_burst  # one burst per entry, at most
+
+
+def test_a_fast_node_and_a_node_back_from_a_long_partition_are_counted_in_full():
+    c = _training(step_seconds=[0.02, 0.25, 0.25, 0.25])  # node 0 is 12x faster
+    c.partition([[3]])
+    c.run_for(90.0)  # node 3 trains alone, far longer than any burst covers
+    c.heal()
+    c.run_for(60.0)
+    true = {c.nodes[i].info.node_id: c.training_node(i).learner.samples for i in c.up()}
+    for i in c.up():
+        seen = c.training_node(i).learner.count.as_dict()
+        for node_id, samples in true.items():
+            lag = samples - seen.get(node_id, 0)
+            assert lag <= 0.05 * samples + 200, (i, node_id, samples, seen.get(node_id))
+
+
+def test_the_sample_guard_clamps_growth_to_rate_and_burst():
+    from p2ptrain.proto.membership.samples import RATE_WINDOW, SampleGuard
+
+    cfg = LOCAL.with_(count_burst=100, count_burst_seconds=10.0, count_rate_margin=4.0,
+                      count_rate_cap=8.0)
+    me, a, b = "a" * 32, "b" * 32, "c" * 32
+    guard = SampleGuard(cfg, me)
+    guard.baseline({a: 1000, "d" * 32: 50}, 0.0)  # a resume checkpoint: taken whole
+    members = {a, b}
+    assert guard.admit({a: 1000, "d" * 32: 50, "e" * 32: 7}, 0.0, members) == {
+        a: 1000, "d" * 32: 50}  # e is no member: no entry
+    # No rate observed yet: the bucket holds count_burst + burst_seconds of the fallback rate.
+    assert guard.admit({b: 10**9}, 0.0, members) == {b: 100}
+    assert guard.admit({b: 10**9}, 0.0, members) == {b: 100}  # spent: repeats add nothing
+    for t in range(1, 31):  # this node trains 10 samples/s; b keeps pace
+        guard.own(10 * t, float(t))
+        guard.admit({b: 100 + 10 * t}, float(t), members)
+    assert RATE_WINDOW < 30
+    # b's observed rate is 10/s: it may grow 40/s, at most its bucket of 100 + 10 s x 40 at once.
+    got = guard.admit({b: 10**9}, 40.0, members)[b] - 400
+    assert 10 * 40 <= got <= 100 + 10 * 40
+    assert guard.clamped >= 3
+    assert guard.admit({b: 5}, 40.0, members) == {b: 5}  # lower values pass as they are
+
+
+def test_a_fetched_checkpoint_brings_counts_under_the_same_bound():
+    c = _training()
+    node = c.training_node(0)
+    before = node.learner.count.as_dict()
+    forged = {**before, c.nodes[1].info.node_id: 2**53, "e" * 32: 10**6}
+    node.learner.count.merge(forged)  # what Learner.restore does with a manifest's counts
+    node.replica_replaced()
+    after = node.learner.count.as_dict()
+    assert "e" * 32 not in after
+    assert after[c.nodes[1].info.node_id] < before[c.nodes[1].info.node_id] + 4 * LOCAL.count_burst
+    assert node.learner.count.total < 100_000 // 4

@@ -145,8 +145,24 @@ class Control:
 
     def merge_samples(self, counts: dict[str, int]) -> None:
         """Fold in G-counter entries learnt elsewhere (averaging bodies, a checkpoint), so
-        member-list exchanges spread them. Merged by max: nothing ever decreases."""
-        self.membership.samples.merge(counts)
+        member-list exchanges spread them: as far as the sample guard admits them now (issue
+        13), merged by max: nothing ever decreases. This node's own entry is its own
+        training's count (the learner's), exact."""
+        own = counts.get(self.me.node_id)
+        if own is not None:
+            self.membership.sample_guard.own(own, self.now)
+        self.membership.samples.merge(self.admit_samples(counts))
+
+    def admit_samples(self, counts: dict[str, int]) -> dict[str, int]:
+        """The part of a G-counter from a peer (or a fetched checkpoint) this node may merge
+        now: entries of current members only, each grown by at most what its rate and burst
+        allow (membership/samples.py). Spends the allowance: merge what it returns."""
+        return self.membership.admit_samples(counts, self.now)
+
+    def baseline_samples(self, counts: dict[str, int]) -> None:
+        """This node's starting G-counter (its resume checkpoint, or the one its driver
+        started it from): admitted whole, the base later reports are bounded against."""
+        self.membership.sample_guard.baseline(counts, self.now)
 
     def live_members(self) -> list[MemberInfo]:
         return [m.info for m in self.membership.table.members.values() if m.live]
@@ -183,7 +199,7 @@ class Control:
             self.membership.discovered(now, event.addr, msgs)
         elif kind is Progress:
             self._step, self._samples, self._swarm = event.step, event.samples, event.swarm_samples
-            self.membership.set_own_samples(event.samples)
+            self.membership.set_own_samples(event.samples, now)
             self.election.progress(now, event.step, event.swarm_samples, event.finished, actions)
         else:
             self.election.resign(msgs, actions)

@@ -65,10 +65,11 @@ from p2ptrain.proto.events import (
     Tick,
 )
 from p2ptrain.proto.gossip.config import GossipConfig
-from p2ptrain.proto.gossip.messages import GOSSIP_BODIES
+from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, AverageReply, AverageRequest
 from p2ptrain.proto.gossip.trainer import GossipTrainer
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
 from p2ptrain.proto.records import ALIVE, MemberInfo
+from p2ptrain.swarmcount import SwarmCount
 
 if TYPE_CHECKING:
     from p2ptrain.learner import Learner
@@ -121,6 +122,7 @@ class Node:
         self.control = Control(proto, me, incarnation=incarnation, now=now, rng=rng,
                                term_floor=term_floor)
         self.learner = learner
+        self.control.baseline_samples(learner.count.as_dict())  # the start state: trusted
         self.trainer = GossipTrainer(config.gossip, learner,
                                      np.random.default_rng(rng.getrandbits(64)),
                                      average_timeout=config.average_timeout,
@@ -248,8 +250,10 @@ class Node:
             if type(action) is not Deliver or action.envelope is not message:
                 out.append(action)
                 continue
+            counts = (self.control.admit_samples(body.counts)
+                      if isinstance(body, AverageRequest | AverageReply) else None)
             try:
-                self.trainer.on_body(now, header.sender, event.addr, body, parsed,
+                self.trainer.on_body(now, header.sender, event.addr, body, parsed, counts=counts,
                                      busy=self.outstanding is not None,
                                      outbound_sender=known is not None
                                      and known[2].outbound_only, out=msgs,
@@ -302,8 +306,12 @@ class Node:
         """The driver loaded other weights into the learner (a fetched checkpoint): forget
         the held averaging half steps, the open exchange and the queued peer gradients, which
         all belong to the old replica. Call it only while no gradient is being computed (a
-        RunStep the driver has not started yet is fine)."""
+        RunStep the driver has not started yet is fine). The G-counter the checkpoint brought
+        is bounded like any peer's (issue 13): entries above what the sample guard admits
+        now are lowered to it, entries of non-members dropped."""
         self.trainer.close()
+        learner = self.learner
+        learner.count = SwarmCount(self.control.admit_samples(learner.count.as_dict()))
 
     # -- status -------------------------------------------------------------------------------
 

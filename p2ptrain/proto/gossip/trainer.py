@@ -171,11 +171,14 @@ class GossipTrainer:
 
     def on_body(self, now: float, sender: str, addr: str, body: Body, parsed: Any, *,
                 busy: bool, outbound_sender: bool, out: list[Out],
-                decline: bool = False) -> None:
+                decline: bool = False, counts: dict[str, int] | None = None) -> None:
         """Act on a body `parse` accepted (`busy`: a step is outstanding; `decline`: refuse
-        averaging requests). CodecError if the mixer refuses the gradient (an absurd norm, a
-        duplicate chunk); nothing changes then."""
+        averaging requests; `counts`: the part of an averaging body's G-counter the control
+        plane admitted, merged instead of the body's). CodecError if the mixer refuses the
+        gradient (an absurd norm, a duplicate chunk); nothing changes then."""
         learner = self.learner
+        if counts is None and isinstance(body, AverageRequest | AverageReply):
+            counts = body.counts
         if isinstance(body, GradientPush | GradientReply):
             arrival = self.mixer.receive(parsed[0], learner.count.total, admitted=parsed)
             self.peer_progress[sender] = (body.step, body.loss)
@@ -185,10 +188,10 @@ class GossipTrainer:
         elif isinstance(body, AverageRequest):
             _, loss = self.peer_progress.get(sender, (0, None))
             self.peer_progress[sender] = (body.step, loss)
-            learner.count.merge(body.counts)
+            learner.count.merge(counts)
             self._respond(sender, addr, body, parsed, busy, decline, out)
         elif isinstance(body, AverageReply):
-            learner.count.merge(body.counts)
+            learner.count.merge(counts)
             ex = self.exchange
             if (ex is None or ex.peer != sender or ex.seed != body.seed
                     or ex.part != body.part):
