@@ -176,9 +176,11 @@ class Learner:
                         "node_id": self.node_id, "data": self.sampler.position()},
         )
 
-    def restore(self, path: Path, manifest: dict, with_state: bool = True) -> None:
-        """Load weights (and, with_state, optimiser moments and data position) from a verified
-        checkpoint. Everything is checked before the live buffers change."""
+    def restore(self, path: Path, manifest: dict, with_state: bool = True,
+                with_count: bool = True) -> None:
+        """Load weights (and, with_state, optimiser moments and data position; with_count,
+        the swarm counter) from a verified checkpoint. Everything is checked before the live
+        buffers change."""
         space = self.model.space
         params = space.zeros()
         checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(params))
@@ -198,7 +200,8 @@ class Learner:
                 raise checkpoint.CheckpointError(f"{path.name}: bad resume data ({exc})") from None
             same_node = meta.get("node_id") == self.node_id
         np.copyto(self.params, params)
-        self.count.merge(count.as_dict())  # merged: what this node knew is never lost
+        if with_count:
+            self.count.merge(count.as_dict())  # merged: what this node knew is never lost
         if with_state:
             np.copyto(self.opt.m, m)
             np.copyto(self.opt.v, v)

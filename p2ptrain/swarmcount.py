@@ -3,6 +3,8 @@
 Each node only ever raises its own entry; merging takes the maximum per entry, so merges are
 commutative, associative and idempotent and the total never runs backwards when a node dies
 or a message is replayed. The learning-rate schedule and the end of the run follow `total`.
+A node merges what peers report only as far as the protocol's sample guard admits it
+(p2ptrain/proto/membership/samples.py): one member cannot end the run with a forged count.
 Pure data: no clock, no I/O.
 """
 

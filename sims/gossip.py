@@ -172,7 +172,8 @@ class GossipSim:
         size = self.world.charged.params * 4 + CHECKPOINT_OVERHEAD
         self.fetches += 1
         self.recorder.sent("checkpoint", size)
-        answer = CheckpointFetched(f"{ckpt.time}", sum(ckpt.counts.values()))
+        answer = CheckpointFetched(f"{ckpt.time}", sum(ckpt.counts.values()),
+                                   counts=dict(ckpt.counts))
         self.fetched_data[answer.path] = ckpt
         ok = self.network.send(source, i, size,
                                lambda: self._fetched(i, generation, answer),
@@ -187,10 +188,8 @@ class GossipSim:
             self.handle(i, answer)
 
     def adopt(self, i: int, action: AdoptCheckpoint) -> None:
-        ckpt = self.fetched_data[action.path]
-        learner = self.machines[i].node.learner
-        np.copyto(learner.params, ckpt.params)
-        learner.count.merge(ckpt.counts)
+        ckpt = self.fetched_data[action.path]  # the node merged the counter itself
+        np.copyto(self.machines[i].node.learner.params, ckpt.params)
 
     # -- the node's events and actions ---------------------------------------------------
 

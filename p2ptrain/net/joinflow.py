@@ -76,7 +76,7 @@ class JoinFetcher:
             loss, own = await asyncio.get_running_loop().run_in_executor(self.io, self.judge,
                                                                          path)
             return CheckpointFetched(str(path), int(manifest["swarm_samples"]), loss=loss,
-                                     own_loss=own)
+                                     own_loss=own, counts=dict(manifest["swarm_count"]))
         self.reporter.warn(f"checkpoint fetch failed: {reason}", event="fetch_failed",
                            attempt=action.attempt)
         return CheckpointFetched(None, reason=reason, retry=True)

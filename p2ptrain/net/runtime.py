@@ -206,7 +206,8 @@ class Runtime:
     def _adopt(self, path: str) -> None:
         """Load a fetched checkpoint's weights now (the node decided they are newer)."""
         try:
-            self.learner.restore(Path(path), self.fetcher.manifests[path], with_state=False)
+            self.learner.restore(Path(path), self.fetcher.manifests[path], with_state=False,
+                                 with_count=False)  # the node merged the bounded counter
         except checkpoint.CheckpointError as exc:
             self.reporter.warn(f"cannot load the fetched checkpoint ({exc}); training from the "
                                f"local weights", event="adopt_failed")

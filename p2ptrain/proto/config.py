@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from p2ptrain.options import option
+
 
 @dataclass(frozen=True, slots=True)
 class ProtoConfig:
@@ -42,6 +44,19 @@ class ProtoConfig:
     # -- checkpoints --------------------------------------------------------------------------
     checkpoint_interval: float = 60.0  # s; the leader saves a checkpoint this often
     checkpoint_samples: int = 0  # or after this many swarm samples since the last one (0: off)
+    # -- trust bounds (what one member may move) ----------------------------------------------
+    max_epoch_step: int = option(1 << 16, "a term or incarnation a peer reports may lead the "
+                                 "highest this node has seen by at most this much", minimum=1)
+    count_burst: int = option(4096, "samples a swarm-count entry may grow by at once beyond "
+                              "its rate", minimum=0)
+    count_burst_seconds: float = option(30.0, "seconds of its allowed rate a swarm-count "
+                                        "entry may grow by at once, on top of count_burst",
+                                        minimum=0.001)
+    count_rate_margin: float = option(4.0, "a swarm-count entry may grow this many times "
+                                      "faster than its observed rate (at least the median)",
+                                      minimum=1)
+    count_rate_cap: float = option(64.0, "an entry's observed rate counts up to this many "
+                                   "times the swarm's median rate", minimum=1)
 
     def __post_init__(self) -> None:
         positive = ("probe_interval", "probe_timeout", "suspicion_mult", "outbound_timeout",
@@ -61,6 +76,16 @@ class ProtoConfig:
             raise ValueError("lease must be longer than heartbeat_interval")
         if self.lease_gap_mult < 1 or self.lease_max_mult < 1:
             raise ValueError("lease_gap_mult and lease_max_mult must be >= 1")
+        if not isinstance(self.max_epoch_step, int) or not 1 <= self.max_epoch_step <= 2**32:
+            raise ValueError("max_epoch_step must be an int in 1..2^32")
+        if not isinstance(self.count_burst, int) or self.count_burst < 0:
+            raise ValueError("count_burst must be an int >= 0")
+        for name in ("count_burst_seconds", "count_rate_margin", "count_rate_cap"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.count_rate_margin < 1 or self.count_rate_cap < 1:
+            raise ValueError("count_rate_margin and count_rate_cap must be >= 1")
         for name in ("indirect_probes", "retransmit_mult", "max_piggyback", "checkpoint_samples"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

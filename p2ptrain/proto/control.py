@@ -8,7 +8,13 @@
 
 `handle` validates a peer's message completely before changing anything: a malformed or
 illegal one (a forged claim from a non-member, a claim whose priority disagrees with the
-member's record) yields a `RemoteError` action and leaves every bit of state as it was. A
+member's record, a claim, yield or leave more than `max_epoch_step` above the highest term or
+incarnation this node has seen) yields a `RemoteError` action and leaves every bit of state as
+it was. What a message relays about others is bounded the same way, without refusing the
+relay: a view naming a non-member leader is ignored, and a relayed view or update too far
+ahead moves this node's term or incarnation ceiling by one step only (election.py,
+table.py), so no value a peer can send takes a counter where `+1` leaves the range peers
+accept, and honest relays that lag behind an attacker's steps still catch up. A
 caller error (time going backwards, an unknown event) raises `LocalProtocolError`. Every
 outgoing message gets the same header: sender, incarnation, fingerprint, the leader view this
 node follows (so leases renew by relay), and piggybacked membership updates -- `wrap` gives
@@ -57,6 +63,7 @@ from p2ptrain.proto.messages import (
     ToAll,
     Yield,
 )
+from p2ptrain.proto.messages import Leave as LeaveBody
 from p2ptrain.proto.records import ALIVE, MemberInfo
 
 
@@ -139,8 +146,24 @@ class Control:
 
     def merge_samples(self, counts: dict[str, int]) -> None:
         """Fold in G-counter entries learnt elsewhere (averaging bodies, a checkpoint), so
-        member-list exchanges spread them. Merged by max: nothing ever decreases."""
-        self.membership.samples.merge(counts)
+        member-list exchanges spread them: as far as the sample guard admits them now (issue
+        13), merged by max: nothing ever decreases. This node's own entry is its own
+        training's count (the learner's), exact."""
+        own = counts.get(self.me.node_id)
+        if own is not None:
+            self.membership.sample_guard.own(own, self.now)
+        self.membership.samples.merge(self.admit_samples(counts))
+
+    def admit_samples(self, counts: dict[str, int]) -> dict[str, int]:
+        """The part of a G-counter from a peer (or a fetched checkpoint) this node may merge
+        now: entries of current members only, each grown by at most what its rate and burst
+        allow (membership/samples.py). Spends the allowance: merge what it returns."""
+        return self.membership.admit_samples(counts, self.now)
+
+    def baseline_samples(self, counts: dict[str, int]) -> None:
+        """This node's starting G-counter (its resume checkpoint, or the one its driver
+        started it from): admitted whole, the base later reports are bounded against."""
+        self.membership.sample_guard.baseline(counts, self.now)
 
     def live_members(self) -> list[MemberInfo]:
         return [m.info for m in self.membership.table.members.values() if m.live]
@@ -183,7 +206,7 @@ class Control:
             self.membership.discovered(now, event.addr, msgs)
         elif kind is Progress:
             self._step, self._samples, self._swarm = event.step, event.samples, event.swarm_samples
-            self.membership.set_own_samples(event.samples)
+            self.membership.set_own_samples(event.samples, now)
             self.election.progress(now, event.step, event.swarm_samples, event.finished, actions)
         else:
             self.election.resign(msgs, actions)
@@ -233,18 +256,31 @@ class Control:
             else:
                 membership.refuse(header, body, event.addr, msgs, actions)
             return
-        known = header.sender in membership.table.members  # a joiner's view waits a message
+        table = membership.table
+        known = header.sender in table.members  # a joiner's view waits a message
+        table.limit = table.ceiling + self.config.max_epoch_step  # one step per message
+        try:
+            self._apply(now, event.addr, message, known, msgs, actions)
+        finally:
+            table.limit = math.inf
+
+    def _apply(self, now: float, addr: str, message: Envelope, known: bool, msgs: list,
+               actions: list[Action]) -> None:
+        """Act on a message `_refusal` admitted from a member of this swarm."""
+        header, body, membership = message.header, message.body, self.membership
         membership.on_header(now, header, actions)
-        if header.view is not None and known:
-            self.election.observe(now, header.view, header.sender, event.addr, msgs, actions)
+        view = header.view
+        if view is not None and known and (view.leader == self.me.node_id
+                                           or view.leader in membership.table.members):
+            self.election.observe(now, view, header.sender, addr, msgs, actions)
         if isinstance(body, Resign):
             self.election.on_resign(now, header.sender, body.term)
         elif isinstance(body, Yield):
             self.election.on_yield(now, body, msgs, actions)
         elif isinstance(body, CONTROL_BODIES):
-            membership.on_body(now, header, body, event.addr, msgs, actions)
+            membership.on_body(now, header, body, addr, msgs, actions)
         else:
-            actions.append(Deliver(message, event.addr))
+            actions.append(Deliver(message, addr))
 
     def _refusal(self, header: Header, body: Body) -> str | None:
         """Why a message must be refused without effect, or None. Reads state only."""
@@ -259,6 +295,15 @@ class Control:
         claims = isinstance(body, Claim | Heartbeat)
         if claims and (view is None or view.leader != header.sender):
             return f"{type(body).__name__} without the sender's own claim"
+        step, term = self.config.max_epoch_step, self.election.term
+        if view is not None and view.leader == header.sender and view.term > term + step:
+            return f"claim of term {view.term}: more than {step} above term {term}"
+        if isinstance(body, Yield) and max(body.term, body.winner_term) > term + step:
+            return f"yield of term {body.term}: more than {step} above term {term}"
+        ceiling = self.membership.table.ceiling
+        if isinstance(body, LeaveBody) and header.incarnation > ceiling + step:
+            return (f"leave at incarnation {header.incarnation}: more than {step} above "
+                    f"incarnation {ceiling}")
         if view is not None and view.leader == header.sender and known is not None:
             if known.info.outbound_only:
                 return "an outbound-only member cannot lead"

@@ -16,6 +16,10 @@
   (also said by a restarted member that knew a later term); a leader that hears another
   leader directly, or one of its own term by relay, moves up at once. So checkpoint
   (term, step) keeps growing when a partition heals. Outbound-only members never claim.
+- Bounded steps (issue 13): a view more than `max_epoch_step` above this node's term is not
+  followed; the term grows by that one step instead (Control refuses such a claim outright
+  when it comes from the claimant itself), so one member cannot move the swarm's terms to
+  where the next claim leaves the range peers accept.
 - The leader decides checkpoints: every `checkpoint_interval` seconds (or
   `checkpoint_samples` swarm samples), only for a step above its last one in the term, so
   two checkpoints never share (term, leader, step).
@@ -78,6 +82,10 @@ class Election:
         """A view from a member's message header (validated by Control when the sender is the
         claimant itself)."""
         me = self.me.node_id
+        step = self.config.max_epoch_step
+        if v.term > self.term + step:  # relayed from too far ahead: not followed; the term
+            self.term += step  # grows one bounded step, so lagging relays still catch up
+            return
         if v.leader == me:  # our own view relayed back, or a claim of a previous life
             self.term = max(self.term, v.term)
             return

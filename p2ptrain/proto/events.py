@@ -82,6 +82,7 @@ class CheckpointFetched(Event):
     retry: bool = True  # path None: a transient failure (worth another try, with back-off)
     loss: float | None = None  # the checkpoint's held-out loss on a fixed batch (inf: unusable)
     own_loss: float | None = None  # this node's replica's loss on the same batch
+    counts: dict[str, int] | None = None  # the checkpoint's swarm G-counter (node id -> count)
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,7 +72,7 @@ from p2ptrain.proto.events import (
     Tick,
 )
 from p2ptrain.proto.gossip.config import GossipConfig
-from p2ptrain.proto.gossip.messages import GOSSIP_BODIES
+from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, AverageReply, AverageRequest
 from p2ptrain.proto.gossip.trainer import GossipTrainer
 from p2ptrain.proto.joining import Join
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
@@ -138,6 +138,7 @@ class Node:
         self.control = Control(proto, me, incarnation=incarnation, now=now, rng=rng,
                                term_floor=term_floor)
         self.learner = learner
+        self.control.baseline_samples(learner.count.as_dict())  # the start state: trusted
         self.trainer = GossipTrainer(config.gossip, learner,
                                      np.random.default_rng(rng.getrandbits(64)),
                                      average_timeout=config.average_timeout,
@@ -201,7 +202,7 @@ class Node:
         elif kind is CheckpointFetched:
             actions = self.join.fetched(now, event, self._swarm_loss())
             if any(type(a) is AdoptCheckpoint for a in actions):
-                self.trainer.close()  # queued gradients and exchanges belong to the old replica
+                self._adopt_counts(event.counts or {})
         elif kind is Evaluated:
             if not (isinstance(event.eval_loss, numbers.Real) and event.eval_loss >= 0):
                 raise LocalProtocolError("Evaluated.eval_loss must be a number >= 0")
@@ -230,6 +231,15 @@ class Node:
             actions += self.join.advance(now, self.node_id, self.control.leader, self._addr_of)
         self._maybe_step(now, actions)
         return actions
+
+    def _adopt_counts(self, counts: dict[str, int]) -> None:
+        """Adopting a fetched checkpoint (the driver loads its weights, not its counter): the
+        queued gradients and exchanges belong to the old replica; the G-counter it brings is
+        bounded like any peer's (entries above what the sample guard admits now are lowered
+        to it, entries of non-members dropped) -- a hostile leader's checkpoint cannot end the
+        run or jump the schedule."""
+        self.trainer.close()
+        self.learner.count.merge(self.control.admit_samples(dict(counts)))
 
     def _swarm_loss(self) -> float | None:
         """The median training loss the other members last reported (None if none did)."""
@@ -270,7 +280,8 @@ class Node:
         gossip = isinstance(body, GOSSIP_BODIES)
         if gossip and self.control.member(header.sender) is not None:
             try:  # checked whole before the header may change anything
-                parsed = self.trainer.parse(header.sender, body)
+                parsed = self.trainer.parse(header.sender, body,
+                                            decline=self.phase == JOINING)
             except CodecError as exc:
                 return [RemoteError(event.addr, header.sender, exc.reason)]
         actions = self.control.handle(now, Received(event.addr, message))
@@ -286,8 +297,10 @@ class Node:
             if type(action) is not Deliver or action.envelope is not message:
                 out.append(action)
                 continue
+            counts = (self.control.admit_samples(body.counts)
+                      if isinstance(body, AverageRequest | AverageReply) else None)
             try:
-                self.trainer.on_body(now, header.sender, event.addr, body, parsed,
+                self.trainer.on_body(now, header.sender, event.addr, body, parsed, counts=counts,
                                      busy=self.outstanding is not None,
                                      outbound_sender=known is not None
                                      and known[2].outbound_only, out=msgs,
@@ -355,7 +368,8 @@ class Node:
                 "bytes_in": self.bytes_in[peer], "bytes_out": self.bytes_out[peer],
                 "rtt_ms": None if stats.rtt is None else stats.rtt * 1e3,
                 "bandwidth": stats.bandwidth,
-                "gradients_used": trainer.mixer.used[bytes.fromhex(peer)]})
+                "gradients_used": trainer.mixer.used[bytes.fromhex(peer)],
+                "averages_refused": trainer.guard.refused[peer]})
         mix = trainer.last_mix
         return {
             "node_id": self.node_id, "phase": self.phase, "step": learner.step,
@@ -367,6 +381,7 @@ class Node:
             "bytes_in": sum(self.bytes_in.values()), "bytes_out": sum(self.bytes_out.values()),
             "consensus_distance": trainer.distance, "skipped_steps": self.skipped,
             "peers_last_mix": 0 if mix is None else len(mix.peers),
-            "gossip": dict(trainer.stats), "drops": dict(trainer.mixer.drops),
+            "gossip": {**trainer.stats, "average_fallbacks": trainer.guard.fallbacks},
+            "drops": dict(trainer.mixer.drops),
             "members": members,
         }

@@ -71,8 +71,10 @@ class Monitor(Observer):
             self._before = None
             return
         own = _own_key(ctl)
-        known = env.header.sender in ctl.membership.table.members
-        self._before = (i, ctl.is_leader, own, known)
+        members = ctl.membership.table.members
+        view = env.header.view
+        leader_known = view is not None and view.leader in members
+        self._before = (i, ctl.is_leader, own, env.header.sender in members, leader_known)
 
     def on_actions(self, cluster: Any, i: int, event: Event, actions: list[Action]) -> None:
         node = cluster.nodes[i]
@@ -116,6 +118,9 @@ class Monitor(Observer):
         view = env.header.view if env is not None else None
         if view is None or view.leader == cluster.nodes[i].info.node_id:
             return
+        if not before[4] and not any(u.node_id == view.leader and u.kind == "alive"
+                                     for u in env.header.updates):
+            return  # names no member when it is judged (issue 13): not a claim it heard
         heard = self.heard.get(i)
         if heard is not None and view.term == heard[0] and view.leader == heard[3]:
             return  # the claim it already heard, relayed again

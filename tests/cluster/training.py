@@ -113,7 +113,8 @@ class TrainingCluster(harness.Cluster):
             event = CheckpointFetched(None, reason="no checkpoint yet", retry=False)
         else:
             path = leader_written[-1]
-            event = CheckpointFetched(path, sum(self.stored[path][2].values()))
+            event = CheckpointFetched(path, sum(self.stored[path][2].values()),
+                                      counts=self.stored[path][2])
         self._handle(node, event)
 
     def on_action(self, node: harness.Slot, action: Action) -> None:
@@ -122,10 +123,8 @@ class TrainingCluster(harness.Cluster):
             i, generation = node.index, node.generation
             self.at(self.now + self.fetch_seconds, lambda c: c._fetch(i, generation, action))
         elif type(action) is AdoptCheckpoint:
-            _, params, counts = self.stored[action.path]
-            learner = node.machine.learner
-            np.copyto(learner.params, params)
-            learner.count.merge(counts)
+            _, params, _ = self.stored[action.path]  # the node merged the counter itself
+            np.copyto(node.machine.learner.params, params)
         elif type(action) is RunStep:
             loss = node.machine.learner.compute_gradient()
             i, generation = node.index, node.generation

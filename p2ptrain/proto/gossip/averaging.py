@@ -192,6 +192,7 @@ class ParameterAverager:
         self.max_distance = max_distance  # refuse a peer farther than this (RMS)
         self._snap = np.zeros(plan.buffer_size, np.float32)  # own snapshot, then difference
         self._round = np.zeros(2 * min(plan.buffer_size, BLOCK), np.uint8)  # fp16 rounding
+        self._scratch = np.zeros(0, np.float32)  # one peer chunk, for `distance`
         self._seed: int | None = None  # the open exchange's seed
         self._part = 0  # the open part
         self._runs: np.ndarray | None = None  # the part's runs (None: a contiguous range)
@@ -247,6 +248,30 @@ class ParameterAverager:
                                    m, offset, index, len(bounds), seed)
 
         return make()
+
+    def distance(self, peer: PeerSnapshot) -> float:
+        """The RMS distance between the open snapshot and the peer's, computed as `finish`
+        will, changing neither (a chunk-sized scratch buffer, kept for the next call).
+        CodecError if the peer's snapshot does not match the open exchange or is malformed."""
+        if self._seed is None:
+            raise RuntimeError("no averaging exchange is open")
+        m = self._m
+        if peer.seed != self._seed or peer.length != m or peer.codec != self.codec:
+            raise CodecError(
+                f"peer snapshot (seed {peer.seed}, {peer.length} values, {peer.codec.name})"
+                f" does not match ours (seed {self._seed}, {m}, {self.codec.name})")
+        sq = 0.0
+        for chunk in peer.chunks:
+            lo, n = chunk.chunk_offset, chunk.chunk_length
+            if self._scratch.shape[0] < n:
+                self._scratch = np.zeros(n, np.float32)
+            d = self._scratch[:n]
+            np.copyto(d, self._snap[lo : lo + n])
+            chunk.codec.decode_into(chunk.payload, d, -1.0, chunk.seed)  # mine - peer
+            with np.errstate(over="ignore", invalid="ignore"):
+                for start, stop in blocks(n):
+                    sq += float(np.dot(d[start:stop], d[start:stop]))
+        return math.sqrt(sq / m) if m else 0.0
 
     def finish(self, params: np.ndarray, peer: PeerSnapshot | Iterable[Any]) -> AveragingReport:
         """Apply (x_peer - x_self)/2 from the two snapshots to the current `params` and close

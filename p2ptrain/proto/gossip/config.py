@@ -16,6 +16,7 @@ from typing import Any
 from p2ptrain.codecs import Codec, make_codec
 from p2ptrain.options import option
 from p2ptrain.proto.gossip.averaging import AVERAGING_MODES, DEFAULT_PART, AveragingPlan
+from p2ptrain.proto.gossip.guard import DistanceGuard
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd")
 FRACTION_CODECS = ("topk", "randomk")  # codecs that send a share of the coordinates
@@ -54,6 +55,20 @@ class GossipConfig:
                              "median", minimum=0)
     max_sample_weight: float = option(65536.0, "peer gradients claiming more samples than "
                                       "this are refused", minimum=0)
+    distance_multiple: float = option(10.0, "averaging snapshots farther from this replica "
+                                      "than this many times the median distance of recent "
+                                      "applied exchanges are refused", minimum=1)
+    distance_window: int = option(16, "recent applied averaging distances the median is "
+                                  "taken over", minimum=1)
+    min_distance: float = option(0.05, "averaging snapshots closer than this RMS distance "
+                                 "are never refused (replicas drift apart fast early in a "
+                                 "run, faster than a median follows)", minimum=0)
+    max_distance: float = option(1.0, "averaging snapshots farther than this RMS distance "
+                                 "are always refused (the only bound while no median holds)",
+                                 minimum=0)
+    distance_patience: int = option(3, "refused averaging snapshots in a row (of one peer, or "
+                                    "of all) after which the absolute bound alone judges",
+                                    minimum=1)
     queue_vectors: int = option(16, "peer gradients waiting for the next mix, at most",
                                 minimum=1)
     queue_bytes: int = option(256 << 20, "wire bytes of the peer gradients waiting, at most",
@@ -74,6 +89,11 @@ class GossipConfig:
             "absurd_norm_multiple": self.absurd_norm_multiple >= self.clip_multiple,
             "max_norm": self.max_norm > 0,
             "max_sample_weight": self.max_sample_weight > 0,
+            "distance_multiple": self.distance_multiple >= 1,
+            "distance_window": self.distance_window >= 1,
+            "max_distance": self.max_distance > 0,
+            "min_distance": 0 <= self.min_distance <= self.max_distance,
+            "distance_patience": self.distance_patience >= 1,
             "queue_vectors": self.queue_vectors >= 1,
             "queue_bytes": self.queue_bytes >= 1,
             "average_every": self.average_every >= 0,
@@ -97,6 +117,11 @@ class GossipConfig:
     def averaging_due(self, step: int) -> bool:
         """True after local step `step` (1-based) if a push-pull averaging is due."""
         return self.average_every > 0 and step > 0 and step % self.average_every == 0
+
+    def distance_guard(self) -> DistanceGuard:
+        """A fresh guard on averaging snapshots with these bounds."""
+        return DistanceGuard(self.distance_multiple, self.distance_window, self.max_distance,
+                             self.distance_patience, self.min_distance)
 
     def averaging_plan(self, n: int) -> AveragingPlan:
         return AveragingPlan.from_mode(n, self.averaging, self.subset_fraction,

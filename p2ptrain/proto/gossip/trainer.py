@@ -99,6 +99,7 @@ class GossipTrainer:
         self.initiator = ParameterAverager(self.plan, chunk_elems)  # exchanges we open
         self.responder = ParameterAverager(self.plan, chunk_elems)  # exchanges we answer
         self.peers = PeerTable()  # RTT and bandwidth per peer: how push targets are chosen
+        self.guard = config.distance_guard()  # which averaging snapshots are too far
         self.exchange: Exchange | None = None
         self.pending = np.zeros(n, np.float32)  # averaging half steps held while busy
         self.dirty = False  # `pending` holds something
@@ -112,10 +113,13 @@ class GossipTrainer:
 
     # -- inbound ------------------------------------------------------------------------------
 
-    def parse(self, sender: str, body: Body) -> tuple[Message, float] | PeerSnapshot | None:
-        """Check a gossip body from `sender` completely, changing nothing (but drop counts);
-        CodecError names the first defect. Returns the admitted chunk and its squared norm
-        (gradients), the peer snapshot (averaging) or None (a reply that declines)."""
+    def parse(self, sender: str, body: Body, decline: bool = False
+              ) -> tuple[Message, float] | PeerSnapshot | None:
+        """Check a gossip body from `sender` completely, changing nothing (but drop and
+        refusal counts); CodecError names the first defect. Returns the admitted chunk and its
+        squared norm (gradients), the peer snapshot (averaging) or None (a reply that
+        declines). An averaging snapshot this node would apply (a request it will not
+        `decline`, the reply its open exchange waits for) must pass the distance guard."""
         raw_id = bytes.fromhex(sender)
         if isinstance(body, GradientPush | GradientReply):
             msg = parse_message(body.chunk)
@@ -145,15 +149,36 @@ class GossipTrainer:
         for chunk in snap.chunks:
             if not math.isfinite(chunk.sq_norm()):
                 raise CodecError("averaging snapshot holds non-finite values")
+        if isinstance(body, AverageRequest) and not decline:
+            self.responder.begin(self.learner.params, body.seed, body.part)  # a read
+            try:
+                distance = self.responder.distance(snap)
+            finally:
+                self.responder.abort()
+            self._judge(sender, distance)
+        elif isinstance(body, AverageReply):
+            ex = self.exchange
+            if (ex is not None and ex.peer == sender and ex.seed == body.seed
+                    and ex.part == body.part and self.initiator.is_open):
+                self._judge(sender, self.initiator.distance(snap))
         return snap
+
+    def _judge(self, sender: str, distance: float) -> None:
+        reason = self.guard.judge(sender, distance)
+        if reason is not None:
+            self.stats["average_refused"] += 1
+            raise CodecError(reason)
 
     def on_body(self, now: float, sender: str, addr: str, body: Body, parsed: Any, *,
                 busy: bool, outbound_sender: bool, out: list[Out],
-                decline: bool = False) -> None:
+                decline: bool = False, counts: dict[str, int] | None = None) -> None:
         """Act on a body `parse` accepted (`busy`: a step is outstanding; `decline`: refuse
-        averaging requests). CodecError if the mixer refuses the gradient (an absurd norm, a
-        duplicate chunk); nothing changes then."""
+        averaging requests; `counts`: the part of an averaging body's G-counter the control
+        plane admitted, merged instead of the body's). CodecError if the mixer refuses the
+        gradient (an absurd norm, a duplicate chunk); nothing changes then."""
         learner = self.learner
+        if counts is None and isinstance(body, AverageRequest | AverageReply):
+            counts = body.counts
         if isinstance(body, GradientPush | GradientReply):
             arrival = self.mixer.receive(parsed[0], learner.count.total, admitted=parsed)
             self.peer_progress[sender] = (body.step, body.loss)
@@ -164,10 +189,10 @@ class GossipTrainer:
             _, loss = self.peer_progress.get(sender, (0, None))
             self.peer_progress[sender] = (body.step, loss)
             if not decline:  # a joiner's counters move only with the replica it adopts
-                learner.count.merge(body.counts)
+                learner.count.merge(counts)
             self._respond(sender, addr, body, parsed, busy, decline, out)
         elif isinstance(body, AverageReply):
-            learner.count.merge(body.counts)
+            learner.count.merge(counts)
             ex = self.exchange
             if (ex is None or ex.peer != sender or ex.seed != body.seed
                     or ex.part != body.part):
@@ -226,6 +251,7 @@ class GossipTrainer:
             return
         self.dirty |= busy
         self.distance = report.distance
+        self.guard.applied(report.peer.hex(), report.distance)
         self.stats["average_applied"] += 1
 
     def flush(self) -> None:

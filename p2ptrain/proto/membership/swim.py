@@ -10,7 +10,8 @@ cannot be probed: whoever hears from one gossips its liveness beat, and a member
 `outbound_timeout` is suspected like a failed probe. Every header says how many live members
 its sender knows; one that knows more is asked for its list next period, and an exchange
 whose two lists differed is repeated next period, so a forming swarm converges in O(log N)
-rounds. The swarm sample G-counter rides along.
+rounds. The swarm sample G-counter rides along; what a peer reports of it is bounded by
+`SampleGuard` (samples.py) before it is merged.
 
 This file owns those timers and the membership bodies (Ping, Ack, PingReq, Sync*, Refuse,
 Leave); it never touches election state, never wraps envelopes (Control does), and never
@@ -24,6 +25,7 @@ import random
 from p2ptrain.proto.config import ProtoConfig
 from p2ptrain.proto.events import Action, Refused
 from p2ptrain.proto.membership.probe import Prober
+from p2ptrain.proto.membership.samples import SampleGuard
 from p2ptrain.proto.membership.table import MemberTable
 from p2ptrain.proto.messages import (
     Ack,
@@ -60,6 +62,7 @@ class Membership:
         self.table = MemberTable(config, me, incarnation)
         self.prober = Prober(config, self.table, rng, now)
         self.samples = SwarmCount()  # samples processed per node id (grow-only, merged by max)
+        self.sample_guard = SampleGuard(config, me.node_id)  # what one entry may grow by
         self.seeds: dict[str, None] = {}  # addresses discovered, in order (a set that keeps order)
         # The first exchange comes one period after start; it is repeated every period for as
         # long as exchanges teach something new (a forming swarm), then every sync_interval.
@@ -168,8 +171,13 @@ class Membership:
         self._sync(None, addr, msgs)
         self._after_change(now)
 
-    def set_own_samples(self, samples: int) -> None:
+    def set_own_samples(self, samples: int, now: float) -> None:
+        self.sample_guard.own(samples, now)
         self.samples.merge({self.me.node_id: samples})
+
+    def admit_samples(self, counts: dict[str, int], now: float) -> dict[str, int]:
+        """The part of a peer's counter this node may merge now (samples.py)."""
+        return self.sample_guard.admit(counts, now, self.table.members)
 
     def leave(self, now: float, msgs: list[Out]) -> None:
         """Announce departure to every live member that accepts connections."""
@@ -190,7 +198,7 @@ class Membership:
         if sender in table.outbound_ids:
             table.heard(sender, header.incarnation, header.beat, now)
         if header.samples > self.samples.get(sender):
-            self.samples.merge({sender: header.samples})
+            self.samples.merge(self.admit_samples({sender: header.samples}, now))
         for update in header.updates:
             table.apply(update, now, actions)
         if header.live > table.live_count and self.pull_from is None:
@@ -220,7 +228,7 @@ class Membership:
         elif kind is SyncRequest or kind is SyncReply:
             live = self.table.live_count
             self.table.merge_listing(body.members, now, actions)
-            self.samples.merge(body.samples)
+            self.samples.merge(self.admit_samples(body.samples, now))
             theirs = sum(1 for u in body.members if u.kind == ALIVE or u.kind == SUSPECT)
             if self.table.live_count > live or theirs != self.table.live_count:
                 # The two lists differed: exchange again next period, not next interval.

@@ -11,6 +11,11 @@ Rules (SWIM with Lifeguard's suspicion, as memberlist):
 - heard(beat) refreshes an outbound-only member, which nobody can probe.
 - a member whose configuration fingerprint differs is never added: it is refused, with the
   differing keys named.
+- bounded steps (issue 13): while a message is applied (`limit` set by Control), an update
+  whose incarnation is above the highest this node had seen (`ceiling`) plus
+  `max_epoch_step` is skipped, and the ceiling grows by that one step at most: one member
+  cannot push an incarnation to where `+1` leaves the range peers accept, while honest
+  relays that lag an attacker's steps still catch up, one step per message.
 Every accepted change is queued for piggybacking. This file owns the table, the suspicion and
 retention timers and the piggyback queue; it never sends anything itself and never reads the
 clock (`now` is passed in).
@@ -76,6 +81,9 @@ class MemberTable:
         self.outbound_ids: set[str] = set()  # known members that are outbound-only
         self.refuted_at = -math.inf  # when this node last refuted a suspicion
         self.suspects: set[str] = set()  # members now suspected
+        self.ceiling = incarnation  # highest incarnation seen, of any member or this node
+        self.limit = math.inf  # incarnations above this are skipped (set per message)
+        self.skipped = 0  # updates skipped for an incarnation too far ahead
 
     # -- facts about this node ----------------------------------------------------------------
 
@@ -87,6 +95,7 @@ class MemberTable:
     def refute(self, accused: int, now: float) -> None:
         """Move above incarnation `accused` and gossip that this node is alive."""
         self.incarnation = max(self.incarnation, accused) + 1
+        self.ceiling = max(self.ceiling, self.incarnation)
         self.refuted_at = now
         self._gossip(self.self_update())
 
@@ -98,6 +107,12 @@ class MemberTable:
 
     def apply(self, u: Update, now: float, out: list[Action]) -> None:
         """Apply one (validated) update; append resulting notifications to `out`."""
+        if u.incarnation > self.limit:  # too far ahead: the ceiling moves one step instead
+            self.skipped += 1
+            self.ceiling = max(self.ceiling, int(self.limit))
+            return
+        if u.incarnation > self.ceiling:
+            self.ceiling = u.incarnation
         if u.node_id == self.me.node_id:
             self._about_me(u, now)
         elif u.kind == ALIVE:

@@ -1,0 +1,134 @@
+"""Issue 13, item 10: averaging snapshots far from our replica are refused, as gradients are.
+One message of all-65,504 values (finite fp16) must change nothing and be refused visibly;
+honest replicas that drifted apart must still average again. Tiny mlp replicas, virtual time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from p2ptrain.proto.events import RemoteError, Send
+from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.guard import MIN_DISTANCES, DistanceGuard
+from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
+from p2ptrain.proto.node import NodeConfig
+from tests.cluster.harness import Network
+from tests.cluster.training import TrainingCluster
+from tests.test_node import MODEL, assert_same, envelope_from, learner, state
+
+FP16_MAX = 65504.0
+
+
+def _cluster(n: int = 3, averaging: str = "subset_fp16", **node) -> TrainingCluster:
+    gossip = GossipConfig(fanout=0, average_every=2, averaging=averaging)
+    config = NodeConfig(gossip=gossip, min_peers=n - 1, join_timeout=5.0, **node)
+    return TrainingCluster(n, 3, lambda i, node_id: learner(node_id), node_config=config,
+                           step_seconds=0.5, network=Network(bandwidth=2e5))
+
+
+def _snapshot(c: TrainingCluster, i: int, values: np.ndarray, seed: int, part: int = 0):
+    """Node i's averager snapshot of `values` for exchange `seed`, as chunk bytes."""
+    av = c.training_node(i).trainer.responder
+    av.begin(values, seed, part)
+    chunks = tuple(bytes(m) for m in av.messages(bytes.fromhex(c.nodes[i].info.node_id), 0))
+    av.abort()
+    return chunks
+
+
+def test_an_averaging_request_of_all_65504_is_refused_and_changes_nothing():
+    c = _cluster()
+    c.run_until(6.0)
+    node = c.training_node(0)
+    assert node.phase == "training" and node.trainer.stats["average_applied"] >= 1
+    seed = 4242
+    parts = node.trainer.plan.parts(seed)
+    chunks = _snapshot(c, 1, np.full(MODEL.space.size, FP16_MAX, np.float32), seed)
+    env = envelope_from(c, 1, 0, AverageRequest(seed, 3, {}, chunks, 0, parts))
+    before = state(node)
+    actions = c.inject(0, env, c.nodes[1].info.addr)
+    assert [type(a) for a in actions] == [RemoteError]  # a 400 with the reason, no reply
+    assert "too far" in actions[0].reason and actions[0].sender == c.nodes[1].info.node_id
+    assert_same(before, state(node))
+    status = node.status()
+    assert status["gossip"]["average_refused"] == 1
+    row = next(m for m in status["members"] if m["node_id"] == c.nodes[1].info.node_id)
+    assert row["averages_refused"] == 1
+    step = node.learner.step
+    c.run_for(4.0)  # and it trains and averages on
+    assert node.learner.step > step
+    assert float(np.abs(node.learner.params).max()) < 100.0
+
+
+def test_a_reply_of_all_65504_to_our_exchange_is_refused():
+    c = _cluster()
+    c.run_until(6.0)
+    node = c.training_node(0)
+    while node.trainer.exchange is None:  # wait for node 0 to open an exchange
+        c.run_for(0.01)
+    ex = node.trainer.exchange
+    peer = c.ids[ex.peer]
+    chunks = _snapshot(c, peer, np.full(MODEL.space.size, FP16_MAX, np.float32), ex.seed,
+                       ex.part)
+    env = envelope_from(c, peer, 0, AverageReply(ex.seed, 3, {}, chunks, ex.part, ex.parts))
+    before = state(node)
+    applied = node.trainer.stats["average_applied"]
+    actions = c.inject(0, env, c.nodes[peer].info.addr)
+    assert [type(a) for a in actions] == [RemoteError]
+    assert_same(before, state(node))
+    assert node.trainer.stats["average_applied"] == applied
+    assert node.trainer.guard.refused[ex.peer] == 1
+
+
+def test_replicas_that_drifted_apart_average_again():
+    c = _cluster(2, averaging="fp16", average_timeout=1.0)
+    c.run_until(8.0)
+    a, b = c.training_node(0), c.training_node(1)
+    assert len(a.trainer.guard.distances) >= MIN_DISTANCES
+    b.learner.params += np.float32(0.2)  # far above the median, under the absolute bound
+    c.run_for(30.0)
+    refused = a.trainer.stats["average_refused"] + b.trainer.stats["average_refused"]
+    assert refused >= 1  # judged by the median at first ...
+    gap = float(np.sqrt(np.mean((a.learner.params - b.learner.params) ** 2)))
+    assert gap < 0.02  # ... then by the absolute bound: averaged back together
+
+
+def test_the_guard_judges_by_the_median_then_falls_back_to_the_absolute_bound():
+    guard = DistanceGuard(multiple=10.0, window=8, max_distance=1.0, patience=3)
+    assert guard.judge("p", 0.9) is None and guard.fallbacks == 1  # no median yet
+    assert guard.judge("p", 1.5) is not None  # the absolute bound always holds
+    assert guard.judge("p", float("nan")) is not None
+    for d in (0.01, 0.012, 0.011):
+        guard.applied("q", d)
+    guard.applied("p", 0.011)
+    assert guard.limit("p") == (pytest.approx(0.11), False)
+    fallbacks = guard.fallbacks
+    assert guard.judge("p", 0.5) is not None  # 45 x the median
+    assert guard.judge("r", 0.05) is None  # within 10 x
+    guard.applied("r", 0.05)
+    assert guard.judge("p", 0.5) is not None
+    assert guard.judge("p", 0.5) is not None  # third in a row for p: p is judged ...
+    assert guard.fallbacks == fallbacks
+    assert guard.limit("p") == (1.0, True) and guard.limit("r")[1] is False
+    assert guard.judge("p", 0.5) is None and guard.fallbacks == fallbacks + 1  # ... absolutely
+    guard.applied("p", 0.5)
+    assert guard.peer_runs == {} and guard.refused["p"] == 2 + 3
+    for peer in ("x", "y", "z"):  # every recent exchange refused: the absolute bound for all
+        assert guard.judge(peer, 0.9) is not None
+    assert guard.limit("w") == (1.0, True)
+
+
+def test_a_zero_median_is_no_median():
+    guard = DistanceGuard(multiple=10.0, window=8, max_distance=1.0, patience=3)
+    for _ in range(3):
+        guard.applied("q", 0.0)  # identical replicas
+    assert guard.limit("p") == (1.0, True) and guard.judge("p", 1e-4) is None
+
+
+def test_no_sends_on_refusal_mean_no_reply_to_a_stranger():
+    c = _cluster()
+    c.run_until(6.0)
+    seed = 7
+    parts = c.training_node(0).trainer.plan.parts(seed)
+    chunks = _snapshot(c, 1, np.full(MODEL.space.size, FP16_MAX, np.float32), seed)
+    env = envelope_from(c, 1, 0, AverageRequest(seed, 3, {}, chunks, 0, parts))
+    assert not [a for a in c.inject(0, env, c.nodes[1].info.addr) if type(a) is Send]

@@ -1,0 +1,266 @@
+"""Issue 13, items 8 and 9: one member holding the swarm key must not end the run for everyone.
+A term, an incarnation or a sample count a peer sends may only move this node's state by a
+bounded step; the swarm carries on after each attack. In-memory cluster, virtual time."""
+
+from __future__ import annotations
+
+from p2ptrain.proto.config import LOCAL
+from p2ptrain.proto.events import RemoteError
+from p2ptrain.proto.messages import (
+    PROTOCOL_VERSION,
+    Claim,
+    Envelope,
+    Header,
+    Leave,
+    Notify,
+    SyncRequest,
+    Yield,
+)
+from p2ptrain.proto.records import LEFT, LeaderView, Update
+from tests.cluster.harness import Cluster
+
+HUGE = 2**52
+STEP = LOCAL.max_epoch_step
+
+
+def _running(n: int = 5, seed: int = 31) -> Cluster:
+    c = Cluster(n, seed)
+    c.run_until(5.0)
+    assert len(c.leaders()) == 1
+    return c
+
+
+def _header(c: Cluster, who: int, view=None, updates=(), incarnation=None) -> Header:
+    node, ctl = c.nodes[who], c.control(who)
+    inc = ctl.incarnation if incarnation is None else incarnation
+    return Header(PROTOCOL_VERSION, node.info.node_id, inc, node.info.addr,
+                  node.info.fingerprint, 1, 1, 1, view, tuple(updates))
+
+
+def _to_all(c: Cluster, sender: int, body, **header) -> list[list]:
+    env = Envelope(_header(c, sender, **header), body)
+    return [c.inject(j, env, c.nodes[sender].info.addr) for j in c.up() if j != sender]
+
+
+def _one_leader(c: Cluster) -> int:
+    leaders = c.leaders()
+    assert len(leaders) == 1, leaders
+    lid = c.nodes[leaders[0]].info.node_id
+    assert all(c.control(j).leader == lid for j in c.up())
+    return leaders[0]
+
+
+def _epochs_sane(c: Cluster, limit: int) -> None:
+    for j in c.up():
+        ctl = c.control(j)
+        assert ctl.term <= limit and ctl.incarnation <= limit
+        assert all(inc <= limit for _, inc, _ in ctl.members().values())
+
+
+def test_a_claim_at_a_huge_term_is_refused_and_changes_nothing():
+    c = _running()
+    term = c.control(_one_leader(c)).term
+    attacker = next(j for j in c.up() if j not in c.leaders())
+    me = c.nodes[attacker].info
+    view = LeaderView(HUGE, me.node_id, me.priority, me.capability, 0)
+    for j in c.up():
+        if j == attacker:
+            continue
+        before = c.control(j).snapshot()
+        actions = c.inject(j, Envelope(_header(c, attacker, view=view), Claim()), me.addr)
+        assert [type(a) for a in actions] == [RemoteError]
+        assert c.control(j).snapshot() == before
+    c.run_for(20.0)
+    _one_leader(c)
+    _epochs_sane(c, term + 4)
+
+
+def test_a_relayed_view_at_a_huge_term_moves_the_term_by_a_bounded_step_only():
+    c = _running()
+    leader = _one_leader(c)
+    term = c.control(leader).term
+    relay = next(j for j in c.up() if j != leader)
+    info = c.nodes[leader].info
+    view = LeaderView(HUGE, info.node_id, info.priority, info.capability, 0)
+    _to_all(c, relay, Notify(), view=view)
+    for j in c.up():
+        assert c.control(j).term <= term + STEP
+    c.run_for(20.0)
+    _one_leader(c)  # the swarm still agrees on one leader, at a term peers accept
+    _epochs_sane(c, term + STEP + 4)
+    c.crash(_one_leader(c))  # and can still fail over
+    c.run_for(LOCAL.failover_bound(0) + 1.0)
+    _one_leader(c)
+
+
+def test_a_view_naming_a_non_member_is_not_followed():
+    c = _running()
+    leader = _one_leader(c)
+    term = c.control(leader).term
+    relay = next(j for j in c.up() if j != leader)
+    view = LeaderView(term + 1, "f" * 32, 9, 9.0, 0)
+    _to_all(c, relay, Notify(), view=view)
+    for j in c.up():
+        assert c.control(j).leader == c.nodes[leader].info.node_id
+        assert c.control(j).term == term
+
+
+def test_a_yield_at_a_huge_term_is_refused():
+    c = _running()
+    leader = _one_leader(c)
+    other = next(j for j in c.up() if j != leader)
+    term = c.control(leader).term
+    before = c.control(leader).snapshot()
+    env = Envelope(_header(c, other, view=c.control(other).election.view), Yield(HUGE, term))
+    actions = c.inject(leader, env, c.nodes[other].info.addr)
+    assert [type(a) for a in actions] == [RemoteError]
+    assert c.control(leader).snapshot() == before
+
+
+def test_a_forged_left_at_a_huge_incarnation_does_not_expel_the_member():
+    c = _running()
+    victim, forger = 1, 2
+    vid = c.nodes[victim].info.node_id
+    forged = Update(LEFT, vid, HUGE, vid)
+    _to_all(c, forger, Notify(), updates=(forged,))
+    c.run_for(20.0)
+    for j in c.up():
+        if j != victim:
+            state, inc, _ = c.control(j).member(vid)
+            assert state == "alive" and inc < STEP
+    _epochs_sane(c, 2 * STEP)
+
+
+def test_a_forged_left_within_the_step_is_refuted():
+    c = _running()
+    victim, forger = 1, 2
+    vid = c.nodes[victim].info.node_id
+    inc = c.control(victim).incarnation
+    _to_all(c, forger, Notify(), updates=(Update(LEFT, vid, inc + STEP, vid),))
+    c.run_for(20.0)
+    for j in c.up():
+        if j != victim:
+            assert c.control(j).member(vid)[0] == "alive"
+
+
+def test_a_leave_at_a_huge_incarnation_is_refused():
+    c = _running()
+    sender = 1
+    for actions in _to_all(c, sender, Leave(), incarnation=HUGE):
+        assert [type(a) for a in actions] == [RemoteError]
+    sid = c.nodes[sender].info.node_id
+    assert all(c.control(j).member(sid)[0] == "alive" for j in c.up() if j != sender)
+
+
+def test_a_sync_listing_a_huge_incarnation_is_merged_without_it():
+    c = _running()
+    target, sender, victim = 0, 1, 2
+    vid = c.nodes[victim].info.node_id
+    listing = c.control(sender).membership.table.listing()
+    forged = tuple(Update("suspect", u.node_id, HUGE, u.reporter, u.info)
+                   if u.node_id == vid else u for u in listing)
+    c.inject(target, Envelope(_header(c, sender), SyncRequest(forged, {})),
+             c.nodes[sender].info.addr)
+    state, inc, _ = c.control(target).member(vid)
+    assert state == "alive" and inc < STEP
+    assert c.control(target).membership.table.ceiling <= c.control(target).incarnation + STEP
+    assert c.control(target).membership.table.skipped == 1
+
+
+# -- item 9: the swarm sample count --------------------------------------------------------------
+
+
+def _training(n: int = 4, total: int = 100_000, step_seconds=0.25):
+    from tests.test_node import cluster
+
+    c = cluster(n, step_seconds=step_seconds, total_samples=total)
+    c.run_until(6.0)
+    assert all(c.training_node(i).phase == "training" for i in range(n))
+    return c
+
+
+def _forged_counts(c, forger: int, victim: int, value: int):
+    """Every way a member can hand node `victim`'s neighbours a sample count of `value`."""
+    from p2ptrain.proto.gossip.messages import AverageRequest
+
+    fid, vid = c.nodes[forger].info.node_id, c.nodes[victim].info.node_id
+    ctl = c.training_node(forger).control
+    listing = ctl.membership.table.listing()
+    yield Header(PROTOCOL_VERSION, fid, ctl.incarnation, c.nodes[forger].info.addr,
+                 c.nodes[forger].info.fingerprint, value, 1, 1, None, ()), Notify()
+    yield _header(c, forger), SyncRequest(listing, {vid: value, fid: value})
+    yield _header(c, forger), AverageRequest(5, 1, {vid: value, "e" * 32: value}, (b"x",))
+
+
+def test_a_member_sending_the_runs_total_does_not_end_the_run():
+    total = 100_000
+    c = _training(total=total)
+    forger = 1
+    for i in c.up():
+        if i == forger:
+            continue
+        for header, body in _forged_counts(c, forger, 2, total):
+            c.inject(i, Envelope(header, body), c.nodes[forger].info.addr)
+    for value in (2**53, total):  # ... nor a larger forged count, nor a second try
+        for header, body in _forged_counts(c, forger, 3, value):
+            c.inject(0, Envelope(header, body), c.nodes[forger].info.addr)
+    c.run_for(10.0)
+    for i in c.up():
+        node = c.training_node(i)
+        assert node.phase == "training" and node.learner.count.total < total // 4, i
+        assert "e" * 32 not in node.learner.count.as_dict()  # not a member: no entry
+        assert node.control.sample_counts().keys() <= {n.info.node_id for n in c.nodes}
+    true = sum(c.training_node(i).learner.samples for i in c.up())
+    counts = [c.training_node(i).learner.count.total for i in c.up()]
+    assert max(counts) < true + 4 * LOCAL.count_burst  # one burst per entry, at most
+
+
+def test_a_fast_node_and_a_node_back_from_a_long_partition_are_counted_in_full():
+    c = _training(step_seconds=[0.02, 0.25, 0.25, 0.25])  # node 0 is 12x faster
+    c.partition([[3]])
+    c.run_for(90.0)  # node 3 trains alone, far longer than any burst covers
+    c.heal()
+    c.run_for(60.0)
+    true = {c.nodes[i].info.node_id: c.training_node(i).learner.samples for i in c.up()}
+    for i in c.up():
+        seen = c.training_node(i).learner.count.as_dict()
+        for node_id, samples in true.items():
+            lag = samples - seen.get(node_id, 0)
+            assert lag <= 0.05 * samples + 200, (i, node_id, samples, seen.get(node_id))
+
+
+def test_the_sample_guard_clamps_growth_to_rate_and_burst():
+    from p2ptrain.proto.membership.samples import RATE_WINDOW, SampleGuard
+
+    cfg = LOCAL.with_(count_burst=100, count_burst_seconds=10.0, count_rate_margin=4.0,
+                      count_rate_cap=8.0)
+    me, a, b = "a" * 32, "b" * 32, "c" * 32
+    guard = SampleGuard(cfg, me)
+    guard.baseline({a: 1000, "d" * 32: 50}, 0.0)  # a resume checkpoint: taken whole
+    members = {a, b}
+    assert guard.admit({a: 1000, "d" * 32: 50, "e" * 32: 7}, 0.0, members) == {
+        a: 1000, "d" * 32: 50}  # e is no member: no entry
+    # No rate observed yet: the bucket holds count_burst + burst_seconds of the fallback rate.
+    assert guard.admit({b: 10**9}, 0.0, members) == {b: 100}
+    assert guard.admit({b: 10**9}, 0.0, members) == {b: 100}  # spent: repeats add nothing
+    for t in range(1, 31):  # this node trains 10 samples/s; b keeps pace
+        guard.own(10 * t, float(t))
+        guard.admit({b: 100 + 10 * t}, float(t), members)
+    assert RATE_WINDOW < 30
+    # b's observed rate is 10/s: it may grow 40/s, at most its bucket of 100 + 10 s x 40 at once.
+    got = guard.admit({b: 10**9}, 40.0, members)[b] - 400
+    assert 10 * 40 <= got <= 100 + 10 * 40
+    assert guard.clamped >= 3
+    assert guard.admit({b: 5}, 40.0, members) == {b: 5}  # lower values pass as they are
+
+
+def test_a_fetched_checkpoint_brings_counts_under_the_same_bound():
+    c = _training()
+    node = c.training_node(0)
+    before = node.learner.count.as_dict()
+    forged = {**before, c.nodes[1].info.node_id: 2**53, "e" * 32: 10**6}
+    node._adopt_counts(forged)  # what adopting a fetched checkpoint does with its counter
+    after = node.learner.count.as_dict()
+    assert "e" * 32 not in after
+    assert after[c.nodes[1].info.node_id] < before[c.nodes[1].info.node_id] + 4 * LOCAL.count_burst
+    assert node.learner.count.total < 100_000 // 4
