@@ -411,7 +411,7 @@ class Soak:
                 "swarm_samples": b["swarm_samples"] if b else None,
                 "eval_loss_status": b.get("eval_loss") if b else None,
                 "phase": b.get("phase") if b else None,
-                "exit_code": codes[i] if i < len(codes) else None, **score})
+                "exit_code": self.nodes[i].popen.returncode, **score})
         attacks = []
         if self.hostile is not None:
             attacks = [e for e in self.hostile.events() if e.get("event") == "attack"]
