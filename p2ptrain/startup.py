@@ -38,6 +38,7 @@ class Prepared:
     learner: Learner
     ckroot: Path  # <state dir>/checkpoints
     hw: Any  # the detected hardware (None when nothing needed it)
+    term: int = 0  # term of the checkpoint it resumed from: its checkpoints never go below it
 
 
 def fault_hook(spec: str | None, reporter: Reporter):
@@ -116,7 +117,8 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
         reporter.info(f"resumed from {found.path.name}: step {learner.step}, "
                       f"{learner.swarm_samples:,} samples", event="resumed",
                       checkpoint=str(found.path), step=learner.step)
-    return Prepared(identity, learner, ckroot, hw)
+    term = int(found.manifest.get("term", 0)) if found.path is not None else 0
+    return Prepared(identity, learner, ckroot, hw, term)
 
 
 def member_info(learner: Learner, hw: Any, addr: str, priority: int,

@@ -242,8 +242,8 @@ class Runtime:
             f"{self.node_id}/{self.identity.incarnation}".encode()).digest()[:8], "big")
         return Node(self.settings.proto(), self.me, self.learner, self.settings.node,
                     incarnation=self.identity.incarnation, now=self.now(),
-                    rng=random.Random(seed), term_floor=read_int(self.state_dir / TERM_FILE),
-                    joined=joined)
+                    rng=random.Random(seed), joined=joined, term_floor=max(
+                        read_int(self.state_dir / TERM_FILE), self.resumed_term))
 
     def _check_reachability(self) -> None:
         """Once a second: peers never reach us although we reach them -> outbound-only at
@@ -297,6 +297,7 @@ class Runtime:
         ready = prepare(self.settings, reporter, alone=False)
         self.identity, self.learner, self.ckroot, self.hw = (ready.identity, ready.learner,
                                                              ready.ckroot, ready.hw)
+        self.resumed_term = ready.term
         self.plan = Housekeeping(self.settings, 0.0, self.learner.step)
         self.reach = Reachability(3 * self.settings.proto().sync_interval)
         self.step_pool = ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-step")
