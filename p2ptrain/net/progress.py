@@ -52,9 +52,13 @@ async def progress_loop(every: float, status: Callable[[], dict[str, Any]],
 
 
 def say_membership(reporter: Reporter, action: Any) -> None:
-    """One log line for a MemberUp, MemberDown or Refused action."""
+    """One log line for a MemberUp, MemberDown, Refused or Offender action."""
     kind = type(action).__name__
-    if kind == "MemberUp":
+    if kind == "Offender":
+        reporter.warn(f"member {action.node_id[:12]} ignored: {action.refusals} of its values "
+                      f"refused (last: {action.reason})", event="offender",
+                      node_id=action.node_id, refusals=action.refusals, reason=action.reason)
+    elif kind == "MemberUp":
         info = action.info
         reporter.info(f"member {info.node_id[:12]} up at {info.addr} ({info.device_class})",
                       event="member_up", node_id=info.node_id, addr=info.addr)

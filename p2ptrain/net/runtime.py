@@ -145,7 +145,7 @@ class Runtime:
                 self._adopt(action.path)
             elif kind is proto.Joined:
                 self._joined(action.reason)
-            elif kind in (proto.MemberUp, proto.MemberDown, proto.Refused):
+            elif kind in (proto.MemberUp, proto.MemberDown, proto.Refused, proto.Offender):
                 say_membership(self.reporter, action)
         self._arm_timer()
         return actions, replies

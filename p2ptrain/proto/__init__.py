@@ -30,6 +30,7 @@ from p2ptrain.proto.events import (
     Leave,
     MemberDown,
     MemberUp,
+    Offender,
     Progress,
     Received,
     Refused,
@@ -56,7 +57,7 @@ from p2ptrain.proto.records import LeaderView, MemberInfo, Update, differing_key
 from p2ptrain.proto.wire import decode, encode
 
 __all__ = [
-    "AdoptCheckpoint", "CheckpointFetched", "FetchCheckpoint", "Joined",
+    "AdoptCheckpoint", "CheckpointFetched", "FetchCheckpoint", "Joined", "Offender",
     "GOSSIP_BODIES", "AverageReply", "AverageRequest", "AveragingPlan", "GossipConfig",
     "GradientPush", "GradientReply", "PlainEncoder", "consensus_distance", "messages", "wire",
     "BODY_TYPES", "LAN", "LOCAL", "PRESETS", "PROTOCOL_VERSION", "WAN", "Action", "Body",

@@ -214,6 +214,16 @@ class Joined(Action):
 
 
 @dataclass(frozen=True, slots=True)
+class Offender(Action):
+    """A member's values were refused too often: it is ignored until `until` (node time)."""
+
+    node_id: str
+    refusals: int  # refusals of its values so far
+    until: float
+    reason: str  # the last refusal's reason
+
+
+@dataclass(frozen=True, slots=True)
 class Deliver(Action):
     """A message whose body the control plane does not own (gradient gossip, averaging): its
     header has been processed; hand the body to its owner."""

@@ -63,6 +63,7 @@ from p2ptrain.proto.events import (
     Event,
     Finished,
     Leave,
+    Offender,
     Progress,
     Received,
     RemoteError,
@@ -76,6 +77,7 @@ from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, AverageReply, AverageR
 from p2ptrain.proto.gossip.trainer import GossipTrainer
 from p2ptrain.proto.joining import Join
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
+from p2ptrain.proto.offenders import Offenders
 from p2ptrain.proto.records import ALIVE, MemberInfo
 
 if TYPE_CHECKING:
@@ -113,6 +115,14 @@ class NodeConfig:
     bulk_in_flight: int = option(2, "gradient pushes in flight to one peer at once; more are "
                                  "dropped (back-pressure, not a queue)", minimum=1)
     chunk_elems: int = option(DEFAULT_CHUNK, "elements per codec chunk message", minimum=1024)
+    offender_refusals: int = option(5, "refusals of one member's values within "
+                                    "node.offender_window seconds that make it ignored; 0: "
+                                    "never", minimum=0)
+    offender_window: float = option(60.0, "seconds over which refusals of a member's values "
+                                    "are counted", minimum=1)
+    offender_cooloff: float = option(300.0, "seconds an offending member is ignored (its "
+                                     "messages dropped, never chosen as a partner or source)",
+                                     minimum=1)
 
     def __post_init__(self) -> None:
         if not (self.average_timeout > 0 and self.join_timeout >= 0 and self.min_peers >= 0
@@ -150,6 +160,8 @@ class Node:
                          backoff=config.fetch_backoff, backoff_max=config.fetch_backoff_max,
                          enabled=config.join_fetch and not joined)
         self.phase = JOINING if config.min_peers > 0 or not self.join.done else TRAINING
+        self.offenders = Offenders(config.offender_refusals, config.offender_window,
+                                   config.offender_cooloff)
         self.started = float(now)
         self.outstanding: int | None = None  # step number of the RunStep in flight
         self.loss: float | None = None  # training loss of the last applied step
@@ -171,8 +183,10 @@ class Node:
 
     def alive_peers(self) -> list[tuple[str, str]]:
         """(node id, addr) of members held alive that accept connections, sorted by id."""
+        now = self.control.now
         return sorted((i, info.addr) for i, (state, _, info) in self.control.members().items()
-                      if state == ALIVE and not info.outbound_only)
+                      if state == ALIVE and not info.outbound_only
+                      and not self.offenders.ignored(now, i))
 
     def _alive_count(self) -> int:
         return sum(1 for state, _, _ in self.control.members().values() if state == ALIVE)
@@ -201,6 +215,8 @@ class Node:
             actions = self._received(now, event, msgs)
         elif kind is CheckpointFetched:
             actions = self.join.fetched(now, event, self._swarm_loss())
+            if self.join.refused:  # the leader's checkpoint was refused: a value of it
+                self._offended(now, self.join.refused, self.join.reason, actions)
             if any(type(a) is AdoptCheckpoint for a in actions):
                 self._adopt_counts(event.counts or {})
         elif kind is Evaluated:
@@ -229,8 +245,16 @@ class Node:
                     self._time_ping(now, body.target, body.seq)
         if not self.join.done and self.phase == JOINING:
             actions += self.join.advance(now, self.node_id, self.control.leader, self._addr_of)
+        for action in list(actions):
+            if type(action) is RemoteError and action.sender and action.sender != self.node_id:
+                self._offended(now, action.sender, action.reason, actions)
         self._maybe_step(now, actions)
         return actions
+
+    def _offended(self, now: float, sender: str, reason: str, actions: list[Action]) -> None:
+        if self.offenders.refused(now, sender, reason):
+            record = self.offenders.records[sender]
+            actions.append(Offender(sender, record.total, record.ignored_until, reason))
 
     def _adopt_counts(self, counts: dict[str, int]) -> None:
         """Adopting a fetched checkpoint (the driver loads its weights, not its counter): the
@@ -250,7 +274,8 @@ class Node:
     def _addr_of(self, node_id: str) -> str | None:
         """The address of a live member that accepts connections (None otherwise)."""
         member = self.control.member(node_id)
-        if member is None or member[0] != ALIVE or member[2].outbound_only:
+        if (member is None or member[0] != ALIVE or member[2].outbound_only
+                or self.offenders.ignored(self.control.now, node_id)):
             return None
         return member[2].addr
 
@@ -276,6 +301,9 @@ class Node:
             except (RemoteProtocolError, TypeError):
                 return self.control.handle(now, event)  # refuses it with the reason
         header, body = message.header, message.body
+        if self.offenders.ignored(now, header.sender):
+            self.trainer.stats["ignored_offender_messages"] += 1
+            return []
         parsed = None
         gossip = isinstance(body, GOSSIP_BODIES)
         if gossip and self.control.member(header.sender) is not None:
@@ -384,4 +412,5 @@ class Node:
             "gossip": {**trainer.stats, "average_fallbacks": trainer.guard.fallbacks},
             "drops": dict(trainer.mixer.drops),
             "members": members,
+            "offenders": self.offenders.status(self.control.now),
         }

@@ -1,0 +1,48 @@
+"""A member whose values keep being refused is named and ignored for a cool-off (issue 13,
+item 13): in the in-memory training cluster, virtual time."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain.proto import wire
+from p2ptrain.proto.events import Offender, RemoteError
+from p2ptrain.proto.messages import Ping
+from p2ptrain.proto.offenders import Offenders
+from tests.test_node import _malformed_bodies, cluster, envelope_from
+
+
+def test_a_burst_of_refusals_makes_an_offender_and_the_window_forgets():
+    o = Offenders(limit=3, window=10.0, cooloff=100.0)
+    assert not o.refused(0.0, "a", "x") and not o.refused(5.0, "a", "x")
+    assert not o.refused(16.0, "a", "x")  # the first two left the window
+    assert not o.refused(17.0, "a", "x")
+    assert o.refused(18.0, "a", "bad") and o.ignored(50.0, "a") and not o.ignored(118.5, "a")
+    assert o.status(50.0)[0]["node_id"] == "a" and o.status(50.0)[0]["refusals"] == 5
+    assert not Offenders(limit=0, window=10, cooloff=10).refused(0.0, "a", "x")  # 0: never
+
+
+@pytest.mark.slow
+def test_a_member_sending_bad_values_is_ignored_then_readmitted():
+    c = cluster(3, step_seconds=0.5)
+    c.run_until(3.2)
+    node = c.training_node(0)
+    bad_id = c.nodes[1].info.node_id
+    assert (bad_id, c.nodes[1].info.addr) in node.alive_peers()
+    body = _malformed_bodies(c)["checksum"]
+    kinds = []
+    for _ in range(node.config.offender_refusals):
+        kinds.append([type(a) for a in c.inject(0, envelope_from(c, 1, 0, body),
+                                                c.nodes[1].info.addr)])
+    assert kinds[:-1] == [[RemoteError]] * (len(kinds) - 1)
+    assert kinds[-1] == [RemoteError, Offender]
+    row = node.status()["offenders"][0]
+    assert row["node_id"] == bad_id and row["ignored_for_s"] > 0
+    assert bad_id not in [i for i, _ in node.alive_peers()]
+    # its messages, valid or not, are dropped unread while it is ignored
+    ping = envelope_from(c, 1, 0, Ping(99, c.nodes[0].info.node_id))
+    assert c.inject(0, wire.encode(ping), c.nodes[1].info.addr) == []
+    assert node.trainer.stats["ignored_offender_messages"] == 1
+    # after the cool-off it is heard again
+    c.run_for(node.config.offender_cooloff + 1.0)
+    assert bad_id in [i for i, _ in node.alive_peers()]
