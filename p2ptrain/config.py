@@ -261,8 +261,12 @@ def config_file_from(flag_value: str | None, env: Mapping[str, str] = os.environ
     return flag_value or env.get("P2PTRAIN_CONFIG") or None
 
 
+SECRET_KEYS = {"swarm.token"}  # shown as "<secret>" by `config show`
+
+
 def to_toml(cfg: Config, with_sources: bool = True) -> str:
-    """The effective configuration as TOML, each value annotated with where it came from."""
+    """The effective configuration as TOML, each value annotated with where it came from
+    (secrets masked)."""
     lines: list[str] = []
     section = None
     for key in OPTIONS:
@@ -271,6 +275,8 @@ def to_toml(cfg: Config, with_sources: bool = True) -> str:
             lines.append(("\n" if lines else "") + f"[{sec}]")
             section = sec
         value = cfg.values[key]
+        if key in SECRET_KEYS and value:
+            value = "<secret>"
         if isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, str):

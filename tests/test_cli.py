@@ -98,6 +98,16 @@ def test_printable_escapes_what_could_drive_a_terminal():
     assert out == "ab\\x1b[31mc\u00e9\ufffd\\x07\tz\n"
 
 
+def test_config_show_takes_the_join_flags_and_masks_the_token():
+    r = run_cli("config", "show", "--peer", "10.0.0.9:7100", "--outbound-only", "--port",
+                "7200", "--token", "p2pt1.x.secretsecret", "--max-upload-mbps", "2")
+    assert r.returncode == 0, r.stderr
+    for line in ('peers = "10.0.0.9:7100"', "outbound_only = true", "port = 7200",
+                 "max_upload_mbps = 2.0", 'token = "<secret>"'):
+        assert line in r.stdout, line
+    assert "secretsecret" not in r.stdout
+
+
 def test_config_show_hw_and_bench_json(tmp_path):
     r = run_cli("config", "show", "--batch", "12", env=cli_env(P2PTRAIN_LR="0.01"))
     assert r.returncode == 0

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the effective configuration as TOML, "
                                  "with where each value came from")
     show.add_argument("--config", help="TOML configuration file [env P2PTRAIN_CONFIG]")
-    _add_option_flags(show, JOIN_KEYS)
+    _add_option_flags(show, SWARM_KEYS + NET_KEYS + JOIN_KEYS)
 
     from p2ptrain.cli.modelcmds import add_export_parser
 

@@ -34,11 +34,29 @@ def progress_line(doc: dict[str, Any], rate_in: float, rate_out: float
     return text, fields
 
 
+class Repeats:
+    """Says whether a progress line is worth printing: not when it is the same as the last one
+    printed (an idle, finished or joining node), unless `quiet` seconds passed since."""
+
+    def __init__(self, quiet: float = 60.0):
+        self.quiet = quiet
+        self.last: str | None = None
+        self.at = -float("inf")
+
+    def fresh(self, text: str, now: float) -> bool:
+        if text == self.last and now - self.at < self.quiet:
+            return False
+        self.last, self.at = text, now
+        return True
+
+
 async def progress_loop(every: float, status: Callable[[], dict[str, Any]],
                         now: Callable[[], float], reporter: Reporter) -> None:
-    """Print a progress line every `every` seconds until cancelled."""
+    """Print a progress line every `every` seconds until cancelled (a line that says nothing
+    new is held back: see `Repeats`)."""
     last_in = last_out = 0
     last_t = now()
+    repeats = Repeats()
     while True:
         await asyncio.sleep(every)
         doc = status()
@@ -48,7 +66,8 @@ async def progress_loop(every: float, status: Callable[[], dict[str, Any]],
         rate_in, rate_out = (bytes_in - last_in) / span, (bytes_out - last_out) / span
         last_in, last_out, last_t = bytes_in, bytes_out, t
         text, fields = progress_line(doc, rate_in, rate_out)
-        reporter.info(text, event="progress", **fields)
+        if repeats.fresh(text, t):
+            reporter.info(text, event="progress", **fields)
 
 
 def say_membership(reporter: Reporter, action: Any) -> None:
