@@ -362,7 +362,9 @@ async def running_node(tmp_path: Path, swarm: Swarm) -> AsyncIterator[Runtime]:
         "model.mlp.ctx_len": 16, "train.batch": 8, "node.state_dir": str(tmp_path / "node"),
         "node.min_peers": 2, "node.join_timeout": 3600.0, "net.bind": "127.0.0.1",
         "net.port": 0, "net.mdns": False, "net.timing": "local", "eval.every_seconds": 0.0,
-        "checkpoint.every_seconds": 0.0, "log.every_seconds": 60.0, "log.format": "json"})
+        "checkpoint.every_seconds": 0.0, "log.every_seconds": 60.0, "log.format": "json",
+        # these tests send many bad values under one member's id on purpose: no cool-off
+        "node.offender_refusals": 0})
     with open(tmp_path / "node.log", "w") as log:
         rt = Runtime(settings_of(cfg), swarm_options(cfg), Reporter("json", out=log, err=log),
                      swarm)
@@ -531,8 +533,9 @@ async def _burst(addr: str, swarm: Swarm, n: int) -> tuple[int, int, list]:
 def test_a_training_node_shrugs_off_a_burst_of_bad_requests(tmp_path):
     with SwarmLab(tmp_path) as lab:
         ports = free_ports(2)
-        first = lab.start("n0", ports[0], [])
-        second = lab.start("n1", ports[1], [first.addr])
+        calm = lab.env(P2PTRAIN_NODE_OFFENDER_REFUSALS="0")  # the burst forges member ids
+        first = lab.start("n0", ports[0], [], env=calm)
+        second = lab.start("n1", ports[1], [first.addr], env=calm)
         wait_for("both nodes to train", lambda: all(
             p.status()["step"] >= 5 for p in (first, second)), 45)
         cfg = resolve(str(lab.config), {}, {})

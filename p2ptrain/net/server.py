@@ -201,16 +201,21 @@ def _error(status: int, reason: str, headers: dict[str, str] | None = None,
     return response
 
 
+def _refusal(srv: Served, exc: AuthError) -> web.Response:
+    """400 for another protocol version, 401 for credentials that do not hold; counted."""
+    if isinstance(exc, VersionError):
+        srv.host.count("refused_version")
+        return _error(400, exc.reason)
+    srv.host.count("refused_auth")
+    return _error(401, exc.reason)
+
+
 def _begin(srv: Served, request: web.Request) -> Pending | web.Response:
     """The request's pending authentication, or the refusal (nothing of the body read)."""
     try:
         return srv.auth.begin(request.method, request.path, request.headers)
-    except VersionError as exc:
-        srv.host.count("refused_version")
-        return _error(400, exc.reason)
-    except AuthError as exc:
-        srv.host.count("refused_auth")
-        return _error(401, exc.reason)
+    except (VersionError, AuthError) as exc:
+        return _refusal(srv, exc)
 
 
 async def _message(request: web.Request) -> web.StreamResponse:
@@ -283,12 +288,8 @@ async def _config(request: web.Request) -> web.Response:
     srv = request.app[SERVED]
     try:
         rid = srv.auth.verify(request.method, request.path, request.headers, b"")
-    except VersionError as exc:
-        srv.host.count("refused_version")
-        return _error(400, exc.reason)
-    except AuthError as exc:
-        srv.host.count("refused_auth")
-        return _error(401, exc.reason)
+    except (VersionError, AuthError) as exc:
+        return _refusal(srv, exc)
     payload = json.dumps(srv.host.swarm_config()).encode()
     await srv.bucket.take(len(payload), True)
     return web.Response(body=payload, content_type="application/json",

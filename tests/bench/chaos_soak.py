@@ -62,31 +62,12 @@ from p2ptrain.data import load_corpus
 from p2ptrain.learner import Learner
 from p2ptrain.models import build_model
 from tests.helpers import REPO
-from tests.swarmlab import Proc, SwarmLab, free_ports, get_json
+from tests.swarmlab import SMALL_SWARM_TOML, Proc, SwarmLab, free_ports, get_json
 
-SOAK_TOML = """\
-[model]
-name = "mlp"
-[model.mlp]
-n_hidden = 32
-n_embd = 8
-ctx_len = 16
-[train]
-batch = 8
-warmup_samples = 64
-total_samples = 100000000
-[eval]
-windows = 512
-every_seconds = 5
-[net]
-timing = "local"
-[checkpoint]
-every_seconds = 2
-[gossip]
-codec = "topk"
-fraction = 0.1
-fanout = 2
-"""
+# swarmlab's small swarm, with a held-out set big enough to compare runs
+SOAK_TOML = (SMALL_SWARM_TOML.replace("windows = 16", "windows = 512")
+             .replace("every_seconds = 1\n", "every_seconds = 5\n"))
+assert SOAK_TOML != SMALL_SWARM_TOML
 
 N_HONEST = 4
 MIN_UP = 2  # honest nodes that are never down at once
