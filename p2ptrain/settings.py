@@ -82,6 +82,11 @@ class SwarmConfig:
                         flag="--token")
     token_file: str = option("", "file holding the join token (e.g. a Docker secret)",
                              flag="--token-file")
+    previous_key_file: str = option("", "after `p2ptrain key rotate`: file holding the "
+                                    "swarm's previous key (or token), accepted during the grace")
+    previous_key_grace: float = option(3600.0, "seconds of this node's running time the "
+                                       "previous key is accepted (monotonic, no date)",
+                                       minimum=0)
 
 
 @dataclass(frozen=True, slots=True)

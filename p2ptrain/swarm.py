@@ -5,6 +5,10 @@ A join token is one copy-pasteable string, `p2pt1.<name>.<key as unpadded base64
 holds the key, so it is a secret (like `docker swarm join-token`). The swarm id is a hash of
 the key: it tells two swarms on one LAN apart without revealing the key. The demo swarm's key
 is public (a hash of a fixed phrase): anyone may join it, which `join` says when it starts.
+
+Key rotation (`p2ptrain key rotate`, `rotate_key_files`): a new key replaces the old one in
+the key file, and the old one is kept in the previous-key file, which a node accepts for a
+grace period (p2ptrain.net.keyring). A `Swarm` carries that previous key, if any.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import binascii
 import hashlib
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from p2ptrain.fsutil import atomic_write_bytes
@@ -23,6 +27,7 @@ TOKEN_PREFIX = "p2pt1"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 DEMO_NAME = "demo"
 KEY_FILE, CONFIG_FILE = "swarm.key", "swarm.toml"
+PREVIOUS_TAG = ".previous"  # swarm.key -> swarm.previous.key
 
 
 class SwarmError(Exception):
@@ -33,11 +38,24 @@ class SwarmError(Exception):
 class Swarm:
     name: str
     key: bytes  # 32 bytes, secret
+    # during a key rotation: the swarm's previous key, accepted for a grace period (secret)
+    previous: bytes | None = field(default=None, compare=False, repr=False)
 
     @property
     def swarm_id(self) -> str:
         """16 hex characters derived from the key: safe to advertise."""
-        return hashlib.sha256(b"p2ptrain swarm id\n" + self.key).hexdigest()[:16]
+        return swarm_id_of(self.key)
+
+    @property
+    def previous_id(self) -> str:
+        """The swarm id of the previous key ("" without one)."""
+        return swarm_id_of(self.previous) if self.previous is not None else ""
+
+    def with_previous(self, previous: Swarm) -> Swarm:
+        """This swarm, also holding `previous`'s key as its previous key."""
+        if previous.key == self.key:
+            raise SwarmError("the previous swarm key is the current one: nothing was rotated")
+        return replace(self, previous=previous.key)
 
     @property
     def is_demo(self) -> bool:
@@ -49,6 +67,10 @@ class Swarm:
 
     def __repr__(self) -> str:  # never print the key by accident
         return f"Swarm(name={self.name!r}, swarm_id={self.swarm_id!r})"
+
+
+def swarm_id_of(key: bytes) -> str:
+    return hashlib.sha256(b"p2ptrain swarm id\n" + key).hexdigest()[:16]
 
 
 def check_name(name: str) -> str:
@@ -107,3 +129,24 @@ def write_init_files(swarm: Swarm, out: Path, config_toml: str) -> tuple[Path, P
     atomic_write_bytes(key_path, swarm.key, mode=0o600)
     atomic_write_bytes(config_path, config_toml.encode())
     return key_path, config_path
+
+
+def previous_path(key_path: Path) -> Path:
+    """Where `rotate_key_files` keeps the previous key: swarm.key -> swarm.previous.key."""
+    return key_path.with_name(key_path.stem + PREVIOUS_TAG + key_path.suffix)
+
+
+def keep_previous(key_path: Path, previous: Path, name: str) -> Swarm:
+    """The first half of a rotation: copy the key in `key_path` to `previous` (mode 0600,
+    atomically); the swarm it holds."""
+    old = read_key_file(key_path, name)
+    atomic_write_bytes(previous, old.key, mode=0o600)
+    return old
+
+
+def replace_key(key_path: Path, old: Swarm) -> Swarm:
+    """The second half: a new key for `old`'s swarm in `key_path` (mode 0600, atomically, so
+    there is no moment without a key file)."""
+    new = Swarm(old.name, secrets.token_bytes(32))
+    atomic_write_bytes(key_path, new.key, mode=0o600)
+    return new

@@ -42,6 +42,10 @@ def dispatch(args: argparse.Namespace) -> int:
         return cmd_bench(args)
     if args.command == "config":
         return cmd_config_show(args)
+    if args.command == "key":
+        from p2ptrain.cli.keycmds import cmd_key_rotate
+
+        return cmd_key_rotate(args)
     if args.command == "export":
         from p2ptrain.cli.modelcmds import cmd_export
 

@@ -148,9 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--config", help="TOML configuration file [env P2PTRAIN_CONFIG]")
     _add_option_flags(show, SWARM_KEYS + NET_KEYS + JOIN_KEYS)
 
+    from p2ptrain.cli.keycmds import add_key_parser
     from p2ptrain.cli.modelcmds import add_export_parser
 
     add_export_parser(sub)
+    add_key_parser(sub)
     return p
 
 

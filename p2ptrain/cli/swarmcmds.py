@@ -47,8 +47,28 @@ from p2ptrain.swarm import (
 )
 
 
+def key_path_of(cfg: Config, key: str, config_file: str | None) -> Path:
+    """The file option `key` names, relative to the configuration file's directory."""
+    path = Path(cfg[key]).expanduser()
+    if not path.is_absolute() and config_file:
+        path = Path(config_file).expanduser().parent / path
+    return path
+
+
 def swarm_of(cfg: Config, config_file: str | None) -> Swarm:
-    """The swarm the configuration names (token, key file, or the demo swarm)."""
+    """The swarm the configuration names (token, key file, or the demo swarm), with its
+    previous key during a key rotation (`swarm.previous_key_file`)."""
+    swarm = _current_swarm(cfg, config_file)
+    if not cfg["swarm.previous_key_file"]:
+        return swarm
+    if swarm.is_demo:
+        raise SwarmError("swarm.previous_key_file is set but no swarm key is: the demo swarm's "
+                         "key cannot be rotated")
+    path = key_path_of(cfg, "swarm.previous_key_file", config_file)
+    return swarm.with_previous(read_key_file(path, swarm.name))
+
+
+def _current_swarm(cfg: Config, config_file: str | None) -> Swarm:
     token = cfg["swarm.token"]
     if not token and cfg["swarm.token_file"]:
         path = Path(cfg["swarm.token_file"]).expanduser()
@@ -59,9 +79,7 @@ def swarm_of(cfg: Config, config_file: str | None) -> Swarm:
     if token:
         return parse_token(token)
     if cfg["swarm.key_file"]:
-        key_path = Path(cfg["swarm.key_file"]).expanduser()
-        if not key_path.is_absolute() and config_file:
-            key_path = Path(config_file).expanduser().parent / key_path
+        key_path = key_path_of(cfg, "swarm.key_file", config_file)
         return read_key_file(key_path, cfg["swarm.name"] or "swarm")
     return demo_swarm()
 

@@ -39,17 +39,25 @@ out of order. The headers are checked (version, shape, receiver, replay window) 
 body is read; the MAC is computed as the body streams in (`Pending`) and the replay window
 records the request only once the MAC verified. Everything is constant-time compared. No
 I/O, no clock.
+
+Key rotation (keyring.py): a node may hold the swarm's current key and, for a grace period,
+the previous one. It accepts requests and hellos MACed with either while the grace lasts and
+answers each with the key it came in with (`RequestId.key`); toward a peer that answered its
+hello only to the previous key it signs with that key, while the grace lasts. After the grace
+a request MACed with the previous key is refused with a reason saying the key was rotated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from p2ptrain.net.keyring import ROTATED, Keyring, keyring
 from p2ptrain.proto import PROTOCOL_VERSION
 
 SENDER, SEQ, MAC = "X-P2P-Sender", "X-P2P-Seq", "X-P2P-MAC"
@@ -144,6 +152,8 @@ class RequestId:
     incarnation: int
     seq: int
     to: Receiver | None = None
+    # the MAC key the request was signed or verified with: its response uses the same one
+    key: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def fields(self, method: str, path: str) -> tuple[str, ...]:
         assert self.to is not None
@@ -152,38 +162,68 @@ class RequestId:
 
 
 class Signer:
-    """Signs this node's outgoing requests and checks the responses to them."""
+    """Signs this node's outgoing requests and checks the responses to them. `keys` is the
+    swarm's MAC key, or a Keyring during a key rotation (see the module docstring)."""
 
-    def __init__(self, mac_key: bytes, node_id: str, incarnation: int):
+    def __init__(self, keys: bytes | Keyring, node_id: str, incarnation: int):
         if not _is_node_id(node_id) or incarnation < 0:
             raise ValueError("bad node id or incarnation")
-        self.key, self.node_id, self.incarnation = mac_key, node_id, incarnation
+        self.keys = keyring(keys)
+        self.key, self.node_id, self.incarnation = self.keys.current, node_id, incarnation
         self.seq = 0
+        self.on_previous: set[str] = set()  # node ids that answered hello to the previous key
+
+    def key_for(self, node_id: str) -> bytes:
+        """The key to sign with toward `node_id`: the previous one while the grace lasts if
+        that node only answered to it, else the current one."""
+        if node_id in self.on_previous:
+            if self.keys.in_grace():
+                assert self.keys.previous is not None
+                return self.keys.previous
+            self.on_previous.clear()  # the grace is over: the current key for everyone
+        return self.key
+
+    def hello_keys(self) -> tuple[bytes, ...]:
+        """The keys a hello may try, in order: the current one, then (during the grace) the
+        previous one."""
+        return self.keys.accepted()
+
+    def learnt(self, node_id: str, key: bytes) -> None:
+        """`node_id` answered a hello made with `key`: sign with that key toward it."""
+        if key == self.key:
+            self.on_previous.discard(node_id)
+        else:
+            self.on_previous.add(node_id)
 
     def sign_request(self, method: str, path: str, body: bytes | memoryview = b"", *,
                      to: Receiver) -> tuple[RequestId, dict[str, str]]:
         """Headers for one request meant for `to` (each call uses a new sequence number)."""
         self.seq += 1
-        rid = RequestId(self.node_id, self.incarnation, self.seq, to)
-        mac = _mac(self.key, _REQ_TAG, rid.fields(method, path), body)
+        key = self.key_for(to.node_id)
+        rid = RequestId(self.node_id, self.incarnation, self.seq, to, key)
+        mac = _mac(key, _REQ_TAG, rid.fields(method, path), body)
         return rid, {VERSION: str(PROTOCOL_VERSION), SENDER: rid.sender,
                      SEQ: f"{rid.incarnation}.{rid.seq}", TO: to.header(), MAC: mac}
 
-    def hello_headers(self, nonce: str) -> dict[str, str]:
-        """Headers of a hello request carrying `nonce` (32 hex)."""
+    def hello_headers(self, nonce: str, key: bytes | None = None) -> dict[str, str]:
+        """Headers of a hello request carrying `nonce` (32 hex), MACed with `key` (default:
+        the current key)."""
         return {VERSION: str(PROTOCOL_VERSION), SENDER: self.node_id, NONCE: nonce,
-                MAC: _mac(self.key, _HELLO_TAG, (self.node_id, nonce), b"")}
+                MAC: _mac(key or self.key, _HELLO_TAG, (self.node_id, nonce), b"")}
 
-    def check_welcome(self, nonce: str, headers: Mapping[str, str], body: bytes) -> None:
-        """AuthError unless `body` is a hello answer to our `nonce` made with the swarm key."""
-        want = _mac(self.key, _WELCOME_TAG, (nonce, self.node_id), body)
+    def check_welcome(self, nonce: str, headers: Mapping[str, str], body: bytes,
+                      key: bytes | None = None) -> None:
+        """AuthError unless `body` is a hello answer to our `nonce` made with the swarm key
+        (`key`, default the current one: the key the hello was made with)."""
+        want = _mac(key or self.key, _WELCOME_TAG, (nonce, self.node_id), body)
         if not hmac.compare_digest(want, headers.get(MAC, "")):
             raise AuthError("hello answer does not verify (not a member of this swarm?)")
 
     def check_response(self, method: str, path: str, rid: RequestId, status: int,
                        headers: Mapping[str, str], body: bytes | memoryview) -> str:
-        """The responder's node id, if the response is authentic for request `rid`."""
-        return check_response(self.key, method, path, rid, status, headers, body)
+        """The responder's node id, if the response is authentic for request `rid` (checked
+        with the key the request was signed with)."""
+        return check_response(rid.key or self.key, method, path, rid, status, headers, body)
 
 
 def check_response(key: bytes, method: str, path: str, rid: RequestId, status: int,
@@ -235,23 +275,32 @@ def parse_request(headers: Mapping[str, str]) -> RequestId:
 
 
 class Pending:
-    """A request whose headers passed: feed the body as it streams, then `finish`."""
+    """A request whose headers passed: feed the body as it streams, then `finish`. During a
+    key rotation the MAC is computed with each key the node knows (at most two)."""
 
-    def __init__(self, key: bytes, method: str, path: str, rid: RequestId, mac: str,
+    def __init__(self, keys: bytes | Keyring, method: str, path: str, rid: RequestId, mac: str,
                  guard: ReplayGuard):
         self.rid, self._mac, self._guard = rid, mac, guard
-        self._h = _start(key, _REQ_TAG, rid.fields(method, path))
+        self._keys = keyring(keys)
+        fields = rid.fields(method, path)
+        self._hs = [(k, _start(k, _REQ_TAG, fields)) for k in self._keys.known()]
 
     def update(self, piece: bytes | memoryview) -> None:
-        self._h.update(piece)
+        for _, h in self._hs:
+            h.update(piece)
 
     def finish(self) -> RequestId:
-        """The request's id if the MAC over everything fed verifies (then it is recorded in
-        the replay window); AuthError otherwise."""
-        if not hmac.compare_digest(self._h.hexdigest(), self._mac):
+        """The request's id, naming the key it verified with, if the MAC over everything fed
+        verifies with a key accepted now (then it is recorded in the replay window);
+        AuthError otherwise."""
+        key = next((k for k, h in self._hs if hmac.compare_digest(h.hexdigest(), self._mac)),
+                   None)
+        if key is None:
             raise AuthError("request MAC does not verify (wrong swarm key?)")
+        if not self._keys.accepts(key):
+            raise AuthError(ROTATED)
         self._guard.check(self.rid)
-        return self.rid
+        return replace(self.rid, key=key)
 
 
 class ReplayGuard:
@@ -308,12 +357,14 @@ class ReplayGuard:
 
 class ServerAuth:
     """A server's side: check a request's headers (version, shape, receiver, replay window),
-    its MAC as the body streams, then record it; sign the response to it; answer hellos."""
+    its MAC as the body streams, then record it; sign the response to it; answer hellos.
+    `keys` is the swarm's MAC key, or a Keyring during a key rotation."""
 
-    def __init__(self, mac_key: bytes, node_id: str, incarnation: int):
+    def __init__(self, keys: bytes | Keyring, node_id: str, incarnation: int):
         if not _is_node_id(node_id) or incarnation < 0:
             raise ValueError("bad node id or incarnation")
-        self.key, self.node_id, self.incarnation = mac_key, node_id, incarnation
+        self.keys = keyring(keys)
+        self.key, self.node_id, self.incarnation = self.keys.current, node_id, incarnation
         self.guard = ReplayGuard()
 
     def begin(self, method: str, path: str, headers: Mapping[str, str]) -> Pending:
@@ -329,7 +380,7 @@ class ServerAuth:
                             f"node, which runs incarnation {self.incarnation} (a replay, or a "
                             f"sender that has not said hello since this node restarted)")
         self.guard.peek(rid)
-        return Pending(self.key, method, path, rid, headers[MAC], self.guard)
+        return Pending(self.keys, method, path, rid, headers[MAC], self.guard)
 
     def verify(self, method: str, path: str, headers: Mapping[str, str],
                body: bytes | memoryview) -> RequestId:
@@ -340,8 +391,10 @@ class ServerAuth:
 
     def sign(self, method: str, path: str, rid: RequestId, status: int,
              body: bytes | memoryview) -> dict[str, str]:
-        """Headers authenticating our response to `rid` (which named us)."""
-        return response_headers(self.key, method, path, rid, status, body)
+        """Headers authenticating our response to `rid` (which named us), MACed with the key
+        the request came in with."""
+        key = rid.key if rid.key in self.keys.known() else self.key
+        return response_headers(key, method, path, rid, status, body)
 
     def welcome(self, headers: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:
         """The answer to a hello request (body, headers): our id, incarnation and protocol
@@ -352,9 +405,13 @@ class ServerAuth:
             raise AuthError("request carries no MAC")
         if not (_is_node_id(sender) and _is_node_id(nonce) and _is_mac(mac)):
             raise AuthError("malformed hello headers")
-        if not hmac.compare_digest(_mac(self.key, _HELLO_TAG, (sender, nonce), b""), mac):
+        key = next((k for k in self.keys.known() if hmac.compare_digest(
+            _mac(k, _HELLO_TAG, (sender, nonce), b""), mac)), None)
+        if key is None:
             raise AuthError("hello MAC does not verify (wrong swarm key?)")
+        if not self.keys.accepts(key):
+            raise AuthError(ROTATED)
         body = json.dumps({"node_id": self.node_id, "incarnation": self.incarnation,
                            "version": PROTOCOL_VERSION}, separators=(",", ":")).encode()
         return body, {SENDER: self.node_id,
-                      MAC: _mac(self.key, _WELCOME_TAG, (nonce, sender), body)}
+                      MAC: _mac(key, _WELCOME_TAG, (nonce, sender), body)}

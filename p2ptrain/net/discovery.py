@@ -148,8 +148,11 @@ class Discovery:
 
     def __init__(self, *, swarm_id: str, node_id: str, port: int, addresses: list[str] | None,
                  device_class: str, on_found: Callable[[str, str], None],
-                 interfaces: list[str] | None = None, advertise: bool = True) -> None:
-        """Check the identity fields; nothing touches the network before start()."""
+                 interfaces: list[str] | None = None, advertise: bool = True,
+                 accept: Callable[[str], bool] | None = None) -> None:
+        """Check the identity fields; nothing touches the network before start(). `swarm_id`
+        is advertised; peers advertising it are reported, and so are those advertising a
+        swarm id `accept` takes (during a key rotation: the previous key's, see keyring.py)."""
         if not _SWARM_ID.fullmatch(swarm_id):
             raise ValueError(f"swarm id {swarm_id!r} is not 1-64 lowercase hex characters")
         if not _NODE_ID.fullmatch(node_id):
@@ -171,6 +174,7 @@ class Discovery:
         self._interfaces = interfaces
         self._advertise = advertise
         self._on_found = on_found
+        self._accept = accept
         self._state = "new"  # new -> started -> closed; each step happens once
         self._aiozc: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
@@ -268,7 +272,7 @@ class Discovery:
         swarm, node, port = props.get("swarm"), props.get("node"), props.get("port")
         if swarm is None or node is None or port is None or props.get("class") is None:
             return "malformed"
-        if swarm != self.swarm_id:
+        if swarm != self.swarm_id and not (self._accept is not None and self._accept(swarm)):
             return "other_swarm"
         if not _NODE_ID.fullmatch(node) or not _PORT.fullmatch(port):
             return "malformed"
@@ -319,9 +323,11 @@ def guess_address(bind: str, toward: str | None = None) -> str:
 
 async def start_mdns(swarm_id: str, node_id: str, port: int, host: str, device_class: str,
                      bind: str, advertise: bool, on_found: Callable[[str], None],
-                     warn: Callable[[str], None]) -> Discovery | None:
+                     warn: Callable[[str], None], accept: Callable[[str], bool] | None = None
+                     ) -> Discovery | None:
     """mDNS for one swarm: every other node it finds is handed to `on_found(addr)` on the
-    calling event loop. None (after a warning) where multicast does not work."""
+    calling event loop (`accept`: other swarm ids taken too, see Discovery). None (after a
+    warning) where multicast does not work."""
     loop = asyncio.get_running_loop()
 
     def found(addr: str, other: str) -> None:
@@ -339,7 +345,7 @@ async def start_mdns(swarm_id: str, node_id: str, port: int, host: str, device_c
                               addresses=addresses, device_class=device_class[:64] or "?",
                               on_found=found,
                               interfaces=[bind] if bind.startswith("127.") else None,
-                              advertise=advertise)
+                              advertise=advertise, accept=accept)
         await discovery.start()
     except Exception as exc:  # no multicast here: say so, go on with the seeds
         warn(f"mDNS unavailable ({exc}); using seeds only")

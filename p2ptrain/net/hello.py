@@ -12,6 +12,12 @@ answer changes nothing on the node, so a replayed hello request is harmless and 
 not in the replay window. A node of protocol 1 has no such route: its 404 is reported as "an
 older p2ptrain".
 
+During a key rotation (keyring.py) a hello is made with the current key and, if the node
+refuses it (401) while the previous key's grace lasts, once more with the previous key: a
+member that does not hold the new key yet still answers, and the signer remembers to sign
+toward it with the previous key (auth.Signer.learnt). The node asked answers with the key the
+hello came in with.
+
 Who says hello: the outbox, once per address (`Receivers`), again when a receiver refuses a
 request as meant for another node or life; the token-only configuration fetch and
 `checkpoint fetch` before their first GET. Seeds (`--peer HOST:PORT`, DNS names), mDNS finds
@@ -46,10 +52,27 @@ class HelloRefused(HelloError):
 
 async def hello(session: aiohttp.ClientSession, base: str, signer: Signer,
                 timeout: float = HELLO_TIMEOUT) -> Receiver:
-    """Ask the node at `base` (http://host:port) who it is; HelloError if it cannot say."""
+    """Ask the node at `base` (http://host:port) who it is; HelloError if it cannot say. Each
+    key the signer may use is tried in turn while the node refuses the previous one (401)."""
+    keys = signer.hello_keys()
+    for i, key in enumerate(keys):
+        try:
+            receiver = await _hello(session, base, signer, key, timeout)
+        except HelloRefused:
+            if i + 1 == len(keys):
+                raise
+            continue
+        signer.learnt(receiver.node_id, key)
+        return receiver
+    raise AssertionError("a signer always has a key")
+
+
+async def _hello(session: aiohttp.ClientSession, base: str, signer: Signer, key: bytes,
+                 timeout: float) -> Receiver:
+    """One hello made with `key`."""
     nonce = secrets.token_hex(16)
     try:
-        async with session.get(f"{base}{HELLO}", headers=signer.hello_headers(nonce),
+        async with session.get(f"{base}{HELLO}", headers=signer.hello_headers(nonce, key),
                                timeout=aiohttp.ClientTimeout(total=timeout),
                                allow_redirects=False) as resp:
             body = await resp.content.read(MAX_ANSWER + 1)
@@ -65,7 +88,7 @@ async def hello(session: aiohttp.ClientSession, base: str, signer: Signer,
     if status != 200 or len(body) > MAX_ANSWER:
         raise HelloError(f"{base} refused our hello (HTTP {status}: {_reason(body)})")
     try:
-        signer.check_welcome(nonce, headers, body)
+        signer.check_welcome(nonce, headers, body, key)
     except AuthError as exc:
         raise HelloError(f"{base}: {exc.reason}") from None
     try:

@@ -28,6 +28,7 @@ class RefusalWatch:
         self.since: float | None = None  # first refusal since the last accepted request
         self.refusals = 0
         self.refused_by: dict[str, bool] = {}  # address asked since -> it refused us
+        self.reason = ""  # the last refusal's reason, as the peer put it
         self.warned = self.given = False
 
     def accepted(self, addr: str) -> None:
@@ -41,6 +42,7 @@ class RefusalWatch:
             self.since = self.now()
         self.refusals += 1
         self.refused_by[addr] = True
+        self.reason = reason
         if not self.warned:
             self.warned = True
             self.warn(f"{addr} refuses this node's requests (HTTP 401: {reason}): is the "
@@ -64,4 +66,4 @@ class RefusalWatch:
         self.on_verdict(f"every peer refuses this node (HTTP 401 from {who} for {waited:.0f}s, "
                         f"{self.refusals} requests, none accepted): the swarm key is wrong -- "
                         f"check --token, --token-file or the config's key_file (or the peers "
-                        f"named belong to another swarm)")
+                        f"named belong to another swarm); the last refusal: {self.reason}")

@@ -31,13 +31,14 @@ from aiohttp import web
 from p2ptrain import checkpoint, proto
 from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.identity import load_or_create
-from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
+from p2ptrain.net.auth import ServerAuth, Signer
 from p2ptrain.net.discovery import advertised_address, seed_loop, start_mdns
 from p2ptrain.net.joinflow import JoinFetcher, read_int
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.progress import every_second, progress_loop, say_leader, say_membership
 from p2ptrain.net.reachability import Reachability
+from p2ptrain.net.rotation import keyring_of
 from p2ptrain.net.saving import Saver, record_term
 from p2ptrain.net.server import Limits, Served, build_app, listen
 from p2ptrain.net.steps import Stepper
@@ -265,7 +266,7 @@ class Runtime:
         self.outbound_only = True
         old = self.node
         self.identity = load_or_create(self.state_dir)  # bumps the incarnation
-        self.signer = Signer(self.signer.key, self.node_id, self.identity.incarnation)
+        self.signer = Signer(self.signer.keys, self.node_id, self.identity.incarnation)
         self.outbox.signer = self.signer
         self.me = dataclasses.replace(self.me, outbound_only=True)
         self.steps.parked = None  # the old node's step; the new node asks for its own
@@ -308,9 +309,9 @@ class Runtime:
                                   keep=self.settings.checkpoint.keep)
         self.saver = Saver(self.learner, write, self.io_pool, self.now, reporter, self.count,
                            env_fault_hook(reporter), self.plan)
-        mac_key = derive_mac_key(self.swarm.key)
-        self.auth = ServerAuth(mac_key, self.node_id, self.identity.incarnation)
-        self.signer = Signer(mac_key, self.node_id, self.identity.incarnation)
+        keys = keyring_of(self.swarm, self.settings.swarm, self.state_dir, reporter)
+        self.auth = ServerAuth(keys, self.node_id, self.identity.incarnation)
+        self.signer = Signer(keys, self.node_id, self.identity.incarnation)
 
     async def run(self) -> int:
         net, reporter = self.settings.net, self.reporter
@@ -351,7 +352,8 @@ class Runtime:
             if net.mdns:
                 discovery = await start_mdns(self.swarm.swarm_id, self.node_id, port, host,
                                              self.me.device_class, net.bind,
-                                             not net.outbound_only, found, warn)
+                                             not net.outbound_only, found, warn,
+                                             self.signer.keys.accepts_swarm_id)
             self.handle(proto.Tick())
             tasks = [self.loop.create_task(seed_loop(seeds, addr, found, warn)),
                      self.loop.create_task(every_second(self._check_reachability)),

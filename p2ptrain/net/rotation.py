@@ -1,0 +1,85 @@
+"""A node's keyring from its swarm (keyring.py): the grace of the previous key is counted in
+this node's own running time and saved in its state directory, so that a restart does not
+open it again.
+
+    <state-dir>/key-grace.json   {"previous": <swarm id of the previous key>, "used": <s>}
+
+The time used is saved every `keyring.SAVE_EVERY` seconds during the grace and when it ends
+(a crash loses at most that much of the count); a file naming another previous key (an
+earlier rotation) counts for nothing. A timer on the event loop wakes the keyring during the
+grace, so its end is logged when it happens (`key_retired`), not at the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+from p2ptrain.net.auth import derive_mac_key
+from p2ptrain.net.keyring import SAVE_EVERY, Keyring
+from p2ptrain.report import Reporter
+from p2ptrain.settings import SwarmConfig
+from p2ptrain.swarm import Swarm
+
+GRACE_FILE = "key-grace.json"
+
+
+def read_used(path: Path, previous_id: str) -> float:
+    """Seconds of grace of the previous key `previous_id` used by earlier lives (0 if none)."""
+    try:
+        doc = json.loads(path.read_bytes())
+        used = doc["used"] if doc["previous"] == previous_id else 0.0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+    return float(used) if isinstance(used, int | float) and used >= 0 else 0.0
+
+
+def write_used(path: Path, previous_id: str, used: float) -> None:
+    """Save the grace used (not fsynced: a power cut loses a few seconds of the count)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"previous": previous_id, "used": round(used, 1)}))
+    os.replace(tmp, path)
+
+
+def keyring_of(swarm: Swarm, cfg: SwarmConfig, state_dir: Path, reporter: Reporter) -> Keyring:
+    """The MAC keys of a node of `swarm`; with a previous key, its grace is counted, saved,
+    logged, and its end logged. Call on the node's event loop."""
+    current = derive_mac_key(swarm.key)
+    if swarm.previous is None:
+        return Keyring(current, ids=(swarm.swarm_id, ""))
+    path, pid = state_dir / GRACE_FILE, swarm.previous_id
+
+    def used(seconds: float) -> None:
+        try:
+            write_used(path, pid, seconds)
+        except OSError as exc:
+            reporter.warn(f"cannot save the key rotation's grace in {path}: "
+                          f"{exc.strerror or exc}", event="key_grace_unsaved")
+
+    def retired() -> None:
+        reporter.info(f"the previous swarm key (id {pid}) is refused from now on: its grace of "
+                      f"{cfg.previous_key_grace:g}s of this node's running time is over",
+                      event="key_retired", previous_id=pid)
+
+    keys = Keyring(current, derive_mac_key(swarm.previous), cfg.previous_key_grace,
+                   clock=time.monotonic, used=read_used(path, pid),
+                   ids=(swarm.swarm_id, pid), on_used=used, on_retired=retired)
+    if keys.retired:
+        reporter.info(f"swarm key {swarm.swarm_id}; the previous key (id {pid}) stays refused: "
+                      f"its grace is over on this node", event="key_retired", previous_id=pid)
+        return keys
+    reporter.info(f"key rotation: signing with swarm key {swarm.swarm_id}, also accepting the "
+                  f"previous key (id {pid}) for {keys.grace_left():.0f}s of this node's "
+                  f"running time", event="key_grace", previous_id=pid,
+                  grace_left_s=keys.grace_left())
+    loop = asyncio.get_running_loop()
+
+    def tick() -> None:
+        if keys.in_grace():
+            loop.call_later(min(SAVE_EVERY, keys.grace_left() + 0.01), tick)
+
+    loop.call_later(min(SAVE_EVERY, keys.grace_left() + 0.01), tick)
+    return keys
