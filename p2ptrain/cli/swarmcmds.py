@@ -197,6 +197,9 @@ def cmd_join(args, flags: dict) -> int:
             cfg = resolve(None, os.environ, flags, adopted=options, adopted_from=addr)
             reporter.info(f"adopted the swarm's configuration from {addr}",
                           event="config_adopted", peer=addr)
+    if swarm.is_demo:
+        reporter.warn("joining the public DEMO swarm: anyone on this LAN may join it; "
+                      "for a real fleet run `p2ptrain init` and join with its token")
     return asyncio.run(Runtime(settings_of(cfg), swarm_options(cfg), reporter, swarm).run())
 
 

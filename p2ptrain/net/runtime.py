@@ -318,9 +318,6 @@ class Runtime:
         self.loop = asyncio.get_running_loop()
         self.t0 = self.loop.time()
         self._setup(reporter)
-        if self.swarm.is_demo:
-            reporter.warn("joining the public DEMO swarm: anyone on this LAN may join it; "
-                          "for a real fleet run `p2ptrain init` and join with its token")
         app = build_app(Served(self, self.auth, self.bucket, net.open_routes, Limits.of(net)),
                         lambda: self.ckroot)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
