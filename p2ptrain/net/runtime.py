@@ -165,7 +165,8 @@ class Runtime:
                 status, reason = 400, action.reason
             elif type(action) is proto.Refused and not action.by_peer:
                 status, reason = 409, action.reason
-        return status, [wire.encode(s.envelope) for s in replies], reason
+        status = 200 if replies and status == 400 else status  # a refusal with an answer (a
+        return status, [wire.encode(s.envelope) for s in replies], reason  # declined average)
 
     def on_frames(self, addr: str, frames: list[bytes]) -> None:
         """Frames that came back in a response: each is a message from that peer."""

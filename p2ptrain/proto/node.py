@@ -311,7 +311,11 @@ class Node:
                 parsed = self.trainer.parse(header.sender, body,
                                             decline=self.phase == JOINING)
             except CodecError as exc:
-                return [RemoteError(event.addr, header.sender, exc.reason)]
+                refused: list[Action] = [RemoteError(event.addr, header.sender, exc.reason)]
+                if type(body) is AverageRequest:  # tell the initiator at once (no 90 s wait)
+                    refused.append(self.control.wrap(header.sender, event.addr, AverageReply(
+                        body.seed, self.learner.step, {}, (), body.part, body.parts), True))
+                return refused
         actions = self.control.handle(now, Received(event.addr, message))
         if type(body) is Ack:
             self._acked(now, header.sender, body)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from p2ptrain.codecs import DEFAULT_CHUNK, CodecError, Message, parse_message
+from p2ptrain.codecs import CodecError, Message, parse_message
 from p2ptrain.proto.gossip.averaging import (
     AveragingPlan,
     AveragingReport,
@@ -83,7 +83,7 @@ class GossipTrainer:
     """Gradient gossip and parameter averaging around one learner; see the module docstring."""
 
     def __init__(self, config: GossipConfig, learner: Learner, rng: np.random.Generator, *,
-                 average_timeout: float = 5.0, chunk_elems: int = DEFAULT_CHUNK):
+                 average_timeout: float, chunk_elems: int):  # NodeConfig holds the defaults
         n = int(learner.params.shape[0])
         self.config = config
         self.learner = learner
