@@ -13,6 +13,12 @@ from p2ptrain.proto.joining import Join
 from tests.cluster.training import TrainingCluster
 from tests.test_node import learner
 
+
+def _join(now, own_samples, timeout, attempts, backoff, backoff_max) -> Join:
+    return Join(now=now, own_samples=own_samples, timeout=timeout, attempts=attempts,
+                backoff=backoff, backoff_max=backoff_max, loss_tolerance=0.25)
+
+
 GOSSIP = GossipConfig(fanout=0, average_every=2, averaging="full")
 JOINING = NodeConfig(gossip=GOSSIP, min_peers=0, join_timeout=3.0, fetch_backoff=0.5,
                      fetch_backoff_max=4.0)
@@ -63,9 +69,9 @@ def test_a_fresh_node_adopts_the_leaders_checkpoint_before_its_first_step():
 
 
 def test_a_node_with_an_older_replica_adopts_but_a_newer_one_keeps_its_own():
-    assert Join(now=0, own_samples=100, timeout=1, attempts=3, backoff=1, backoff_max=4)
+    assert _join(0, 100, 1, 3, 1, 4)
     for own, adopt in ((100, True), (10_000, False)):
-        join = Join(now=0.0, own_samples=own, timeout=5, attempts=3, backoff=1, backoff_max=4)
+        join = _join(0.0, own, 5, 3, 1, 4)
         actions = join.advance(0.0, "me", "leader", lambda _i: "10.0.0.1:7100")
         assert [type(a) for a in actions] == [FetchCheckpoint]
         actions = join.fetched(0.5, CheckpointFetched("ck", swarm_samples=5_000))
@@ -75,7 +81,7 @@ def test_a_node_with_an_older_replica_adopts_but_a_newer_one_keeps_its_own():
 
 
 def test_failed_fetches_back_off_and_follow_the_leader_of_the_moment():
-    join = Join(now=0.0, own_samples=0, timeout=5, attempts=4, backoff=1.0, backoff_max=3.0)
+    join = _join(0.0, 0, 5, 4, 1.0, 3.0)
     addrs = {"L1": "10.0.0.1:7100", "L2": "10.0.0.2:7100"}
     t, sent = 0.0, []
     leader = "L1"
@@ -98,14 +104,14 @@ def test_failed_fetches_back_off_and_follow_the_leader_of_the_moment():
 
 
 def test_a_leader_without_a_checkpoint_is_not_asked_again():
-    join = Join(now=0.0, own_samples=0, timeout=5, attempts=6, backoff=1, backoff_max=4)
+    join = _join(0.0, 0, 5, 6, 1, 4)
     join.advance(0.0, "me", "L", lambda _i: "10.0.0.1:7100")
     actions = join.fetched(0.2, CheckpointFetched(None, reason="no checkpoint", retry=False))
     assert [type(a) for a in actions] == [Joined] and join.attempt == 1
 
 
 def test_no_leader_at_all_ends_the_join_after_the_timeout():
-    join = Join(now=0.0, own_samples=0, timeout=3, attempts=6, backoff=1, backoff_max=4)
+    join = _join(0.0, 0, 3, 6, 1, 4)
     assert join.advance(2.9, "me", None, lambda _i: None) == []
     assert join.next_deadline() == 3.0
     actions = join.advance(3.0, "me", None, lambda _i: None)
@@ -134,7 +140,7 @@ def test_a_restarted_node_retries_through_a_broken_link_then_adopts():
 def test_a_wrecked_or_far_worse_checkpoint_is_refused():
     """Issue 13, item 13: a hostile leader cannot hand its joiners wrecked weights."""
     def offer(event, reference=None):
-        join = Join(now=0.0, own_samples=0, timeout=5, attempts=3, backoff=1, backoff_max=4)
+        join = _join(0.0, 0, 5, 3, 1, 4)
         join.advance(0.0, "me", "L", lambda _i: "10.0.0.1:7100")
         return join, join.fetched(0.5, event, reference)
 

@@ -41,8 +41,8 @@ class Join:
     """One node's join: see the module docstring."""
 
     def __init__(self, *, now: float, own_samples: int, timeout: float, attempts: int,
-                 backoff: float, backoff_max: float, enabled: bool = True,
-                 loss_tolerance: float = 0.25):
+                 backoff: float, backoff_max: float, loss_tolerance: float,
+                 enabled: bool = True):
         self.started = now
         self.own_samples = own_samples  # swarm samples of the replica the node started with
         self.timeout = timeout  # s to wait for a leader at all
@@ -54,7 +54,7 @@ class Join:
         self.fetching_from = ""  # the leader the fetch in flight asks
         self.reason = "" if enabled else "joining without a fetch"
         self.last_error = ""
-        self.loss_tolerance = loss_tolerance  # see `acceptable`
+        self.loss_tolerance = loss_tolerance  # see `unacceptable`
         self.refused: str | None = None  # the leader whose checkpoint was refused, if any
 
     @property

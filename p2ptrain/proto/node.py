@@ -108,6 +108,10 @@ class NodeConfig:
                                   "each failure", minimum=0)
     fetch_backoff_max: float = option(30.0, "longest wait between two fetch attempts, seconds",
                                       minimum=0)
+    checkpoint_loss_tolerance: float = option(0.25, "a fetched checkpoint whose held-out loss "
+                                              "is more than this fraction above the swarm's "
+                                              "(else our own replica's) is refused",
+                                              minimum=0)
     # Long: on a slow uplink a snapshot takes a minute, and a reply abandoned after its bytes
     # were sent is waste.
     average_timeout: float = option(90.0, "seconds after which an averaging exchange without "
@@ -158,6 +162,7 @@ class Node:
         self.join = Join(now=now, own_samples=learner.count.total,
                          timeout=config.join_timeout, attempts=config.fetch_attempts,
                          backoff=config.fetch_backoff, backoff_max=config.fetch_backoff_max,
+                         loss_tolerance=config.checkpoint_loss_tolerance,
                          enabled=config.join_fetch and not joined)
         self.phase = JOINING if config.min_peers > 0 or not self.join.done else TRAINING
         self.offenders = Offenders(config.offender_refusals, config.offender_window,
