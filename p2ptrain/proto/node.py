@@ -220,7 +220,7 @@ class Node:
             actions = self._received(now, event, msgs)
         elif kind is CheckpointFetched:
             actions = self.join.fetched(now, event, self._swarm_loss())
-            if self.join.refused:  # the leader's checkpoint was refused: a value of it
+            if self.join.refused and actions:  # the leader's checkpoint was refused just now
                 self._offended(now, self.join.refused, self.join.reason, actions)
             if any(type(a) is AdoptCheckpoint for a in actions):
                 self._adopt_counts(event.counts or {})
