@@ -1,4 +1,6 @@
-"""Progress output for people (one line per event) or for programs (one JSON object per line).
+"""Progress output for people (one line per event) or for programs (one JSON object per line:
+time, level, node id, event, message and the event's fields), through the standard `logging`
+module.
 
 Messages go to stdout, warnings and errors to stderr; every line is flushed at once so that a
 container log or a pipe shows progress live.
@@ -6,7 +8,9 @@ container log or a pipe shows progress live.
 
 from __future__ import annotations
 
+import datetime
 import json
+import logging
 import sys
 from typing import TextIO
 
@@ -26,29 +30,75 @@ def human_age(seconds: float | None) -> str:
     return f"{seconds / 60:.0f}m ago"
 
 
+class _Lines(logging.Formatter):
+    """One record as a line: the text for people, or one JSON object for programs with the
+    time (RFC 3339, UTC), level, node id, event and the event's fields."""
+
+    def __init__(self, fmt: str, reporter: Reporter):
+        super().__init__()
+        self.fmt, self.reporter = fmt, reporter
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if self.fmt != "json":
+            return text
+        when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+        doc = {"time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+               "level": record.levelname.lower(), "node_id": self.reporter.node_id,
+               "event": getattr(record, "event", "info"), "message": text,
+               **getattr(record, "fields", {})}
+        return json.dumps(doc, default=str)
+
+
+class _Flushing(logging.StreamHandler):
+    """A stream handler that looks up its stream at every record (tests swap sys.stdout)."""
+
+    def __init__(self, stream_of, fmt: logging.Formatter, keep):
+        super().__init__()
+        self.stream_of = stream_of
+        self.setFormatter(fmt)
+        self.addFilter(keep)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = self.stream_of()
+        super().emit(record)
+
+
 class Reporter:
+    """A node's output through the standard `logging` module: info to stdout, warnings and
+    errors to stderr, every line flushed at once; `--log-format json` makes each line a JSON
+    object with time, level, node id and event. `node_id` is set once the node knows it."""
+
+    _count = 0
+
     def __init__(self, fmt: str = "text", out: TextIO | None = None, err: TextIO | None = None):
         self.fmt = fmt
-        self.out = out or sys.stdout
-        self.err = err or sys.stderr
+        self.out, self.err = out, err
+        self.node_id: str | None = None
+        Reporter._count += 1
+        self.log = logging.getLogger(f"p2ptrain.report.{Reporter._count}")
+        self.log.propagate = False
+        self.log.setLevel(logging.INFO)
+        lines = _Lines(fmt, self)
+        self.log.addHandler(_Flushing(lambda: self.out or sys.stdout, lines,
+                                      lambda r: r.levelno < logging.WARNING))
+        self.log.addHandler(_Flushing(lambda: self.err or sys.stderr, lines,
+                                      lambda r: r.levelno >= logging.WARNING))
 
-    def _emit(self, stream: TextIO, event: str, text: str, fields: dict) -> None:
-        if self.fmt == "json":
-            stream.write(json.dumps({"event": event, "message": text, **fields}) + "\n")
-        else:
-            stream.write(text + "\n")
-        stream.flush()
+    def _emit(self, level: int, event: str, text: str, fields: dict) -> None:
+        self.log.log(level, "%s", text, extra={"event": event, "fields": fields})
 
     def info(self, text: str, event: str = "info", **fields) -> None:
-        self._emit(self.out, event, text, fields)
+        self._emit(logging.INFO, event, text, fields)
 
     def warn(self, text: str, event: str = "warning", **fields) -> None:
-        self._emit(self.err, event, ("warning: " if self.fmt == "text" else "") + text, fields)
+        self._emit(logging.WARNING, event, ("warning: " if self.fmt == "text" else "") + text,
+                   fields)
 
     def error(self, text: str, event: str = "error", **fields) -> None:
         """A problem that ends the run (the CLI's own errors print the same way)."""
-        self._emit(self.err, event, ("p2ptrain: error: " if self.fmt == "text" else "") + text,
-                   fields)
+        self._emit(logging.ERROR, event,
+                   ("p2ptrain: error: " if self.fmt == "text" else "") + text, fields)
 
     def progress(self, step: int, loss: float, eval_loss: float | None, tokens_per_s: float,
                  samples: int, swarm_samples: int, total_samples: int, lr: float,
@@ -58,7 +108,7 @@ class Reporter:
         text = (f"step {step:>6} | loss {loss:.3f} | held-out {ev} | "
                 f"{human_count(tokens_per_s)} tok/s | samples {human_count(samples)} "
                 f"({pct:.1f}% of run) | lr {lr:.2e} | checkpoint {human_age(checkpoint_age)}")
-        self._emit(self.out, "progress", text, {
+        self._emit(logging.INFO, "progress", text, {
             "step": step, "loss": loss, "eval_loss": eval_loss, "tokens_per_s": tokens_per_s,
             "samples": samples, "swarm_samples": swarm_samples, "lr": lr,
             "checkpoint_age_s": checkpoint_age})

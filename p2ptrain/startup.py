@@ -73,6 +73,7 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
     state_dir = Path(settings.host.state_dir).expanduser()
     lock_state_dir(state_dir)  # held for the life of the process: one node per directory
     identity = load_or_create(state_dir)
+    reporter.node_id = identity.node_id  # every log line names the node from here on
     model = build_model(settings.model_name, settings.model)
     corpus = load_corpus(settings.data.path, settings.data.holdout_fraction, model.ctx_len + 2)
     train = settings.train
