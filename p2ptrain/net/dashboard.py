@@ -1,44 +1,7 @@
-"""The read-only views of a node's status: Prometheus text for `/metrics` and the dashboard
-page for `/` (a static page that polls `/v1/status`; it takes no input). Pure: status
-document in, text out.
-"""
+"""The dashboard page for `/`: a static page that polls `/v1/status` (it takes no input).
+Prometheus's `/metrics` is metrics.py."""
 
 from __future__ import annotations
-
-from typing import Any
-
-_GAUGES = (  # status key, metric name, help
-    ("step", "p2ptrain_step", "local optimiser steps taken"),
-    ("loss", "p2ptrain_train_loss", "training loss of the last step (nats/token)"),
-    ("eval_loss", "p2ptrain_eval_loss", "last held-out loss (nats/token)"),
-    ("samples", "p2ptrain_samples", "samples this node has processed"),
-    ("swarm_samples", "p2ptrain_swarm_samples", "the swarm's sample count as this node knows it"),
-    ("term", "p2ptrain_term", "election term this node follows"),
-    ("bytes_in", "p2ptrain_bytes_in", "protocol bytes received"),
-    ("bytes_out", "p2ptrain_bytes_out", "protocol bytes sent"),
-    ("consensus_distance", "p2ptrain_consensus_distance",
-     "RMS distance to the last averaging partner"),
-    ("skipped_steps", "p2ptrain_skipped_steps", "steps discarded for non-finite values"),
-)
-
-
-def metrics(status: dict[str, Any]) -> str:
-    """Prometheus text exposition of a status document."""
-    lines = []
-    for key, name, text in _GAUGES:
-        value = status.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {value}"]
-    states: dict[str, int] = {}
-    for member in status.get("members", []):
-        states[member["state"]] = states.get(member["state"], 0) + 1
-    lines += ["# HELP p2ptrain_members members known, by state", "# TYPE p2ptrain_members gauge"]
-    lines += [f'p2ptrain_members{{state="{s}"}} {n}' for s, n in sorted(states.items())]
-    lines += ["# HELP p2ptrain_is_leader 1 while this node is the checkpoint leader",
-              "# TYPE p2ptrain_is_leader gauge",
-              f"p2ptrain_is_leader {1 if status.get('is_leader') else 0}"]
-    return "\n".join(lines) + "\n"
-
 
 PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>p2ptrain node</title>

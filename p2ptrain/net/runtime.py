@@ -72,7 +72,6 @@ class Runtime:
         self.inbound = 0  # authenticated messages peers sent us (reachability)
         self._switch_pending = False
 
-
     def now(self) -> float:
         return self.loop.time() - self.t0
 
@@ -97,16 +96,16 @@ class Runtime:
     def swarm_config(self) -> dict[str, Any]:  # GET /v1/config
         return {"swarm": self.swarm.name, "options": self.swarm_options}
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any]:  # GET /v1/status, /metrics, the progress line
         doc = self.node.status() if self.node is not None else {"node_id": self.node_id}
         doc.update(swarm=self.swarm.name, swarm_id=self.swarm.swarm_id,
                    addr=self.me.addr if self.node else None, outbound_only=self.outbound_only,
                    upload_bytes=self.bucket.sent, total_samples=self.learner.total_samples,
-                   runtime={**self.stats, **(self.outbox.stats if self.node else {})})
+                   runtime={**self.stats, **(self.outbox.stats if self.node else {})},
+                   steps=self.steps.stats())
         if self.phase != "running":
             doc["phase"] = self.phase
         return doc
-
 
     def handle(self, event, reply_to: str | None = None) -> tuple[list, list[Send]]:
         """Feed one event to the node and perform its actions; Sends that answer `reply_to`'s
@@ -192,7 +191,6 @@ class Runtime:
             self._timer = self.loop.call_at(self.t0 + max(deadline, self.now()),
                                             lambda: self.handle(proto.Tick()))
 
-
     def _start_step(self, step: int) -> None:
         if self._switch_pending:  # at a step boundary: the new node asks for its own step
             self._become_outbound_only()
@@ -231,7 +229,6 @@ class Runtime:
             self.request_stop(bound)
         if not self.node.is_leader and self.plan.save_due(now, learner.step):
             self.saver.save(self.node.control.term, reason="local")
-
 
     def _leader_changed(self, action: LeaderChanged) -> None:
         say_leader(self.reporter, action, self.node_id)
@@ -278,7 +275,6 @@ class Runtime:
         self.handle(proto.Tick())
         self.reporter.info(f"now outbound-only (incarnation {self.identity.incarnation})",
                            event="outbound_only", incarnation=self.identity.incarnation)
-
 
     def request_stop(self, reason: str, code: int = 0) -> None:
         self.exit_code = self.exit_code or code

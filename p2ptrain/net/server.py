@@ -45,9 +45,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from p2ptrain.errors import UserError
-from p2ptrain.net import ckptserve, dashboard
+from p2ptrain.net import ckptserve, dashboard, metrics
 from p2ptrain.net.auth import AuthError, Pending, ServerAuth, VersionError
 from p2ptrain.net.gate import GATE, ConnLimits, GatedSite, quiet_logs, track_requests
 from p2ptrain.net.hello import add_hello_route
@@ -111,6 +112,7 @@ class Served:
 
 
 SERVED: web.AppKey[Served] = web.AppKey("served")
+METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")
 BUDGETS: web.AppKey[dict[bool, BodyBudget]] = web.AppKey("budgets")
 
 
@@ -324,8 +326,8 @@ async def _status(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    text = dashboard.metrics(request.app[SERVED].host.status())
-    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+    body = metrics.render(request.app[METRICS])
+    return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
 
 
 async def _index(request: web.Request) -> web.Response:
@@ -336,6 +338,7 @@ def build_app(served: Served, checkpoint_root: Callable[[], Path]) -> web.Applic
     """The application of one node (its driver owns the lifecycle)."""
     app = web.Application(client_max_size=MAX_REPLY, middlewares=[track_requests])
     app[SERVED] = served
+    app[METRICS] = metrics.registry_for(served.host.status)
     app[BUDGETS] = {False: BodyBudget(served.limits.body_memory),
                     True: BodyBudget(CONTROL_BODY_MEMORY)}
     app[GATE] = []

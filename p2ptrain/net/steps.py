@@ -8,9 +8,13 @@ beyond the evaluation schedule (housekeeping.py).
 from __future__ import annotations
 
 import asyncio
+import bisect
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
+
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # s
 
 if TYPE_CHECKING:
     from p2ptrain.housekeeping import Housekeeping
@@ -28,6 +32,8 @@ class Stepper:
         self.done, self.failed = done, failed
         self.future: asyncio.Future | None = None  # the step in flight
         self.parked: int | None = None  # a step held back (joining, stopping)
+        self.counts = [0] * len(STEP_BUCKETS)  # steps whose compute time fell in each bucket
+        self.count, self.seconds, self.tokens = 0, 0.0, 0  # steps, their time and tokens
 
     def start(self, step: int, hold: bool) -> None:
         """Run step `step` now, or park it when `hold`."""
@@ -47,8 +53,27 @@ class Stepper:
             self.start(step, hold=False)
 
     def _compute(self, evaluate: bool) -> tuple[float, float | None]:
+        started = time.perf_counter()
         loss = self.learner.compute_gradient()
+        self._record(time.perf_counter() - started)
         return loss, (self.learner.evaluate() if evaluate else None)
+
+    def _record(self, seconds: float) -> None:
+        i = bisect.bisect_left(STEP_BUCKETS, seconds)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.count += 1
+        self.seconds += seconds
+        self.tokens += self.learner.batch * self.learner.model.ctx_len
+
+    def stats(self) -> dict:
+        """Step times as a cumulative histogram (for /metrics) and the tokens trained on."""
+        cumulative, total = [], 0
+        for bound, n in zip(STEP_BUCKETS, self.counts, strict=True):
+            total += n
+            cumulative.append((bound, total))
+        return {"buckets": cumulative, "count": self.count, "seconds": self.seconds,
+                "tokens": self.tokens}
 
     def _finished(self, step: int, future: asyncio.Future) -> None:
         self.future = None

@@ -1,0 +1,59 @@
+"""`GET /metrics` of a live node, parsed with prometheus_client's own parser: conventional
+names and types (counters end in _total, a histogram of step times, build info, process
+metrics), and values that move while the node trains."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.swarmlab import SwarmLab, free_ports, wait_for
+
+pytestmark = [pytest.mark.processes]
+
+
+def _scrape(addr: str) -> dict:
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=")
+        text = resp.read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(family, suffix: str = "", **labels) -> float:
+    return next(s.value for s in family.samples
+                if s.name == family.name + suffix and all(s.labels.get(k) == v
+                                                          for k, v in labels.items()))
+
+
+def test_metrics_parse_with_conventional_names_and_types(tmp_path):
+    with SwarmLab(tmp_path) as lab:
+        ports = free_ports(2)
+        a = lab.start("a", ports[0], [])
+        b = lab.start("b", ports[1], [a.addr])
+        wait_for("both to train", lambda: all(p.status()["step"] > 10 for p in (a, b)), 60)
+        first = _scrape(a.addr)
+        types = {
+            "p2ptrain_steps": "counter", "p2ptrain_samples": "counter",
+            "p2ptrain_swarm_samples": "counter", "p2ptrain_received_bytes": "counter",
+            "p2ptrain_sent_bytes": "counter", "p2ptrain_upload_bytes": "counter",
+            "p2ptrain_tokens": "counter", "p2ptrain_refused_requests": "counter",
+            "p2ptrain_train_loss": "gauge", "p2ptrain_term": "gauge",
+            "p2ptrain_is_leader": "gauge", "p2ptrain_members": "gauge",
+            "p2ptrain_peer_rtt_seconds": "gauge", "p2ptrain_step_seconds": "histogram",
+            "p2ptrain_build_info": "gauge", "process_cpu_seconds": "counter",
+            "process_resident_memory_bytes": "gauge", "python_info": "gauge",
+        }
+        for name, kind in types.items():
+            assert name in first and first[name].type == kind, (name, first.get(name))
+        assert _value(first["p2ptrain_members"], state="alive") == 1
+        hist = first["p2ptrain_step_seconds"]
+        count = _value(hist, "_count")
+        assert count > 0 and _value(hist, "_bucket", le="+Inf") == count
+        build = next(s for s in first["p2ptrain_build_info"].samples)
+        assert build.labels["version"] and build.labels["python"]
+        wait_for("the counters to move", lambda: _value(
+            _scrape(a.addr)["p2ptrain_steps"], "_total") > _value(first["p2ptrain_steps"],
+                                                                 "_total"), 30)
+        assert all(c == 0 for c in lab.stop_all())
