@@ -69,16 +69,13 @@ class Reporter:
     errors to stderr, every line flushed at once; `--log-format json` makes each line a JSON
     object with time, level, node id and event. `node_id` is set once the node knows it."""
 
-    _count = 0
-
     def __init__(self, fmt: str = "text", out: TextIO | None = None, err: TextIO | None = None):
         self.fmt = fmt
         self.out, self.err = out, err
         self.node_id: str | None = None
-        Reporter._count += 1
-        self.log = logging.getLogger(f"p2ptrain.report.{Reporter._count}")
-        self.log.propagate = False
-        self.log.setLevel(logging.INFO)
+        # a logger of its own, not registered with logging's manager (which never frees one):
+        # no parent, so nothing propagates to the root logger
+        self.log = logging.Logger("p2ptrain.report", logging.INFO)
         lines = _Lines(fmt, self)
         self.log.addHandler(_Flushing(lambda: self.out or sys.stdout, lines,
                                       lambda r: r.levelno < logging.WARNING))

@@ -42,11 +42,16 @@ def test_a_restart_does_not_open_the_grace_again(tmp_path):
     first = asyncio.run(keys(0.3))
     assert first.in_grace() and said.lines[-1][1]["event"] == "key_grace"
 
+    def retired() -> bool:
+        return any(kw["event"] == "key_retired" for _, kw in said.lines)
+
     async def run_out() -> None:  # the node's timer ends the grace and logs it
-        kr = keyring_of(swarm, SwarmConfig(previous_key_grace=0.3), tmp_path, said)
-        while kr.in_grace():
+        keyring_of(swarm, SwarmConfig(previous_key_grace=0.3), tmp_path, said)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while not retired():  # poll for the timer's event, with a deadline
+            assert loop.time() < deadline, "the grace never ended"
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.05)
 
     asyncio.run(run_out())
     assert read_used(tmp_path / GRACE_FILE, swarm.previous_id) == pytest.approx(0.3)

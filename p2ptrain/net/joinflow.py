@@ -94,10 +94,3 @@ class JoinFetcher:
         if self.task is not None:
             self.task.cancel()
 
-
-def read_int(path: Path) -> int:
-    """An integer kept in a small file (0 when absent or unreadable)."""
-    try:
-        return max(0, int(path.read_text().strip() or 0))
-    except (OSError, ValueError):
-        return 0

@@ -33,13 +33,13 @@ from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.identity import load_or_create
 from p2ptrain.net.auth import ServerAuth, Signer
 from p2ptrain.net.discovery import advertised_address, seed_loop, start_mdns
-from p2ptrain.net.joinflow import JoinFetcher, read_int
+from p2ptrain.net.joinflow import JoinFetcher
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.progress import every_second, progress_loop, say_leader, say_membership
 from p2ptrain.net.reachability import Reachability
 from p2ptrain.net.rotation import keyring_of
-from p2ptrain.net.saving import Saver, record_term
+from p2ptrain.net.saving import Saver, read_term, record_term
 from p2ptrain.net.server import Limits, Served, build_app, listen
 from p2ptrain.net.steps import Stepper
 from p2ptrain.proto import LeaderChanged, Node, Send, wire
@@ -242,7 +242,7 @@ class Runtime:
         return Node(self.settings.proto(), self.me, self.learner, self.settings.node,
                     incarnation=self.identity.incarnation, now=self.now(),
                     rng=random.Random(seed), joined=joined, term_floor=max(
-                        read_int(self.state_dir / TERM_FILE), self.resumed_term))
+                        read_term(self.state_dir / TERM_FILE), self.resumed_term))
 
     def _check_reachability(self) -> None:
         """Once a second: peers never reach us although we reach them -> outbound-only at

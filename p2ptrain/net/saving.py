@@ -130,3 +130,11 @@ def record_term(path: Path, term: int, warn: Callable[..., None]) -> None:
     except OSError as exc:
         warn(f"cannot record the led term {term}: {describe_os_error(exc)}",
              event="term_not_recorded")
+
+
+def read_term(path: Path) -> int:
+    """The term kept by `record_term` (0 when absent or unreadable)."""
+    try:
+        return max(0, int(path.read_text().strip() or 0))
+    except (OSError, ValueError):
+        return 0
