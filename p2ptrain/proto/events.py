@@ -168,6 +168,9 @@ class RemoteError(Action):
     addr: str
     sender: str | None  # node id, when the header could be read
     reason: str
+    # counts against the sender as an offender (False: a judgement of drift, such as a
+    # snapshot too far from our replica, that honest members can earn)
+    offence: bool = True
 
 
 @dataclass(frozen=True, slots=True)

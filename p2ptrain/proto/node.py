@@ -74,7 +74,7 @@ from p2ptrain.proto.events import (
 )
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, AverageReply, AverageRequest
-from p2ptrain.proto.gossip.trainer import GossipTrainer
+from p2ptrain.proto.gossip.trainer import GossipTrainer, TooFar
 from p2ptrain.proto.joining import Join
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
 from p2ptrain.proto.offenders import Offenders
@@ -251,7 +251,8 @@ class Node:
         if not self.join.done and self.phase == JOINING:
             actions += self.join.advance(now, self.node_id, self.control.leader, self._addr_of)
         for action in list(actions):
-            if type(action) is RemoteError and action.sender and action.sender != self.node_id:
+            if (type(action) is RemoteError and action.offence and action.sender
+                    and action.sender != self.node_id):
                 self._offended(now, action.sender, action.reason, actions)
         self._maybe_step(now, actions)
         return actions
@@ -316,7 +317,8 @@ class Node:
                 parsed = self.trainer.parse(header.sender, body,
                                             decline=self.phase == JOINING)
             except CodecError as exc:
-                refused: list[Action] = [RemoteError(event.addr, header.sender, exc.reason)]
+                refused: list[Action] = [RemoteError(event.addr, header.sender, exc.reason,
+                                                     offence=not isinstance(exc, TooFar))]
                 if type(body) is AverageRequest:  # tell the initiator at once (no 90 s wait)
                     refused.append(self.control.wrap(header.sender, event.addr, AverageReply(
                         body.seed, self.learner.step, {}, (), body.part, body.parts), True))

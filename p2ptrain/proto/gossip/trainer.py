@@ -79,6 +79,10 @@ class Exchange:
     addr: str = ""  # where the responder accepts requests
 
 
+class TooFar(CodecError):
+    """An averaging snapshot the distance guard refuses: drift, not necessarily malice."""
+
+
 class GossipTrainer:
     """Gradient gossip and parameter averaging around one learner; see the module docstring."""
 
@@ -167,7 +171,7 @@ class GossipTrainer:
         reason = self.guard.judge(sender, distance)
         if reason is not None:
             self.stats["average_refused"] += 1
-            raise CodecError(reason)
+            raise TooFar(reason)
 
     def on_body(self, now: float, sender: str, addr: str, body: Body, parsed: Any, *,
                 busy: bool, outbound_sender: bool, out: list[Out],
