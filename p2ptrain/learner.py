@@ -176,7 +176,7 @@ class Learner:
                         "node_id": self.node_id, "data": self.sampler.position()},
         )
 
-    def restore(self, path: Path, manifest: dict, with_state: bool = True,
+    def restore(self, path: Path, manifest: checkpoint.Manifest, with_state: bool = True,
                 with_count: bool = True) -> None:
         """Load weights (and, with_state, optimiser moments and data position; with_count,
         the swarm counter) from a verified checkpoint. Everything is checked before the live
@@ -186,7 +186,7 @@ class Learner:
         checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(params))
         if not np.isfinite(params).all():
             raise checkpoint.CheckpointError(f"{path.name}: weights hold non-finite values")
-        count = SwarmCount(manifest.get("swarm_count") or {})
+        count = SwarmCount(manifest.swarm_count)
         if with_state:
             m, v = space.zeros(), space.zeros()
             metadata = checkpoint.load_tensors(path, checkpoint.STATE_FILE,

@@ -118,7 +118,7 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
         reporter.info(f"resumed from {found.path.name}: step {learner.step}, "
                       f"{learner.swarm_samples:,} samples", event="resumed",
                       checkpoint=str(found.path), step=learner.step)
-    term = int(found.manifest.get("term", 0)) if found.path is not None else 0
+    term = found.manifest.term if found.manifest is not None else 0
     return Prepared(identity, learner, ckroot, hw, term)
 
 

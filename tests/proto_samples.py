@@ -19,7 +19,7 @@ from p2ptrain.proto.messages import (
     SyncRequest,
     Yield,
 )
-from p2ptrain.proto.records import LeaderView, MemberInfo, Update, fingerprint_of
+from p2ptrain.proto.records import Holding, LeaderView, MemberInfo, Update, fingerprint_of
 from tests.cluster.harness import FIELDS
 
 A = "a" * 32
@@ -34,18 +34,21 @@ def info(node_id: str = A, addr: str = "10.0.0.1:7100", priority: int = 0,
                       outbound_only)
 
 
+HOLDING = Holding(2, 120, 4800, "0123456789abcdef")
+
+
 def header(sender: str = A, view: LeaderView | None = None, updates=(), incarnation: int = 1,
-           fields: dict | None = None) -> Header:
+           fields: dict | None = None, holds: Holding | None = HOLDING) -> Header:
     me = info(sender, fields=fields)
     return Header(PROTOCOL_VERSION, sender, incarnation, me.addr, me.fingerprint, 100, 7, 3,
-                  view, tuple(updates))
+                  view, tuple(updates), holds)
 
 
 def sample_bodies():
     listing = (Update("alive", A, 1, A, info(A)), Update("suspect", B, 3, A, info(B, "h:1")))
     return [
         Ping(5, B), Ack(5, B), PingReq(9, C, "10.0.0.3:7100"), Notify(),
-        SyncRequest(listing, {A: 10, B: 0}), SyncReply(listing, {}),
+        SyncRequest(listing, {A: 10, B: 0}, {B: HOLDING}), SyncReply(listing, {}),
         Refuse("configuration differs: vocab", dict(FIELDS)), Leave(), Claim(), Heartbeat(),
         Resign(4), Yield(4, 5),
     ]

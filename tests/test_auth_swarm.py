@@ -22,6 +22,7 @@ from p2ptrain.net.auth import (
     VersionError,
     derive_mac_key,
 )
+from p2ptrain.proto import PROTOCOL_VERSION
 from p2ptrain.swarm import (
     Swarm,
     SwarmError,
@@ -86,7 +87,7 @@ def test_any_change_to_a_signed_request_breaks_its_mac(change):
         server.verify(method, path, headers, body)
 
 
-V, M = {VERSION: "2", TO: f"{B}.5"}, "0" * 64
+V, M = {VERSION: str(PROTOCOL_VERSION), TO: f"{B}.5"}, "0" * 64
 
 
 @pytest.mark.parametrize("headers", [
@@ -122,11 +123,12 @@ def test_a_request_is_verified_as_its_body_streams_and_recorded_only_if_it_verif
 def test_other_protocol_versions_are_refused_naming_both():
     signer, server = _pair()
     _, headers = signer.sign_request("POST", "/v1/control", b"x", to=TO_B)
-    for version, theirs in ((None, "1"), ("1", "1"), ("3", "3")):
+    for version, theirs in ((None, "1"), ("1", "1"), ("2", "2"), ("4", "4")):
         old = {k: v for k, v in headers.items() if k != VERSION}
         if version is not None:
             old[VERSION] = version
-        with pytest.raises(VersionError, match=f"protocol 2; the request is protocol {theirs}"):
+        with pytest.raises(VersionError, match=f"protocol {PROTOCOL_VERSION}; the request is "
+                                               f"protocol {theirs}"):
             server.verify("POST", "/v1/control", old, b"x")
 
 

@@ -29,8 +29,8 @@ def test_roundtrip_and_the_safetensors_library_reads_the_weights(setup):
     space, params, ident, root = setup
     path = checkpoint.save(root, make_snapshot(space, params, 5), ident, keep=3)
     found = checkpoint.find_latest(root, "fp1")
-    assert found.path == path and found.skipped == [] and found.manifest["step"] == 5
-    assert found.manifest["leader"] == ident.node_id and found.manifest["swarm_samples"] == 50
+    assert found.path == path and found.skipped == [] and found.manifest.step == 5
+    assert found.manifest.leader == ident.node_id and found.manifest.swarm_samples == 50
     lib = load_file(str(path / checkpoint.MODEL_FILE))
     for s in space:
         np.testing.assert_array_equal(lib[s.name], space.view(params, s.name))
@@ -64,7 +64,7 @@ def corrupt_byte(path, offset):
         (p / checkpoint.MODEL_FILE).read_bytes()[:1000]), "truncated"),
     (lambda p: (p / checkpoint.STATE_FILE).unlink(), "cannot be read"),
     (lambda p: (p / "manifest.json").unlink(), "no manifest"),
-    (lambda p: (p / "manifest.json").write_text("{"), "unreadable manifest"),
+    (lambda p: (p / "manifest.json").write_text("{"), "manifest is not JSON"),
     (lambda p: (p / "manifest.json").write_text(
         json.dumps({**json.loads((p / "manifest.json").read_text()), "step": 99})),
      "signature does not verify"),

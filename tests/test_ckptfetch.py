@@ -21,13 +21,15 @@ from aiohttp import web
 from safetensors.numpy import load_file
 from yarl import URL
 
+from p2ptrain.checkpoint import manifest as mf
 from p2ptrain.checkpoint import store
 from p2ptrain.identity import Identity, load_or_create
 from p2ptrain.net import ckptserve
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
-from p2ptrain.net.ckptserve import RangeError, add_checkpoint_routes, latest_own, parse_range
+from p2ptrain.net.ckptserve import RangeError, Serving, add_checkpoint_routes, parse_range
 from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, check_answer, fetch_latest
 from p2ptrain.net.hello import add_hello_route, hello
+from p2ptrain.net.shelf import Shelf
 
 CHUNK = 64 * 1024
 KEY = derive_mac_key(bytes(range(32)))
@@ -51,6 +53,10 @@ class Leader:
     auth: ServerAuth
     counts: dict[str, int] = field(default_factory=lambda: {"manifest": 0, "chunks": 0})
     cut_after: int | None = None  # drop the connection of every chunk request after this many
+    shelf: Shelf | None = None  # what it serves (its checkpoint root)
+
+    def __post_init__(self):
+        self.shelf = Shelf(lambda: [self.ckroot])
 
 
 def save_checkpoint(ckroot: Path, ident: Identity, seed: int = 0, step: int = 7) -> Path:
@@ -69,9 +75,9 @@ def leader(tmp_path) -> Leader:
     ident = load_or_create(tmp_path / "leader")
     ckroot = tmp_path / "leader" / "checkpoints"
     path = save_checkpoint(ckroot, ident)
-    files = store.read_manifest(path)["files"]
-    assert len(files[store.MODEL_FILE]["xxh3_64"]) == 4
-    assert len(files[store.STATE_FILE]["xxh3_64"]) == 2
+    files = store.read_manifest(path).files
+    assert len(files[store.MODEL_FILE].hashes) == 4
+    assert len(files[store.STATE_FILE].hashes) == 2
     return Leader(ident, ckroot, path.name, load_file(str(path / store.MODEL_FILE)),
                   ServerAuth(KEY, ident.node_id, ident.incarnation))
 
@@ -89,7 +95,7 @@ def make_app(lead: Leader) -> web.Application:
 
     app = web.Application(middlewares=[count])
     add_hello_route(app, lead.auth)  # every request names its receiver, learnt by hello
-    add_checkpoint_routes(app, lambda: lead.ckroot, lead.auth, lead.ident.node_id)
+    add_checkpoint_routes(app, Serving(lead.shelf, lead.auth))
     return app
 
 
@@ -179,15 +185,16 @@ def test_requests_without_mac_or_replayed_get_401_and_a_body_gets_400(leader):
 
 
 def test_a_chunk_rotted_on_the_leaders_disk_is_refused_and_nothing_lands(leader, tmp_path):
-    assert latest_own(leader.ckroot, leader.ident.node_id)[0] == leader.ckid  # cache primed
+    assert leader.shelf.latest().id == leader.ckid  # verified once, then trusted
     with open(leader.ckroot / leader.ckid / store.MODEL_FILE, "r+b") as f:
         f.seek(2 * CHUNK + 100)
         byte = f.read(1)
         f.seek(2 * CHUNK + 100)
         f.write(bytes([byte[0] ^ 0x01]))
-    rotted = r"model.safetensors chunk 2: bytes do not match .*\(3 attempts\)"
+    rotted = (r"no holder left .*served model.safetensors chunk 2 with bytes that do not "
+              r"match the manifest")
     with pytest.raises(FetchError, match=rotted):
-        fetch(leader, tmp_path / "out", chunk_retries=2)
+        fetch(leader, tmp_path / "out")
     assert not (tmp_path / "out" / leader.ckid).exists()
     assert [p.name for p in (tmp_path / "out").iterdir()] == [PARTIAL_PREFIX + leader.ckid]
 
@@ -223,9 +230,9 @@ def forged_app(lead: Leader, body: bytes) -> web.Application:
 
 
 def test_a_manifest_naming_a_leader_whose_key_did_not_sign_it_is_refused(leader, tmp_path):
-    manifest = store.read_manifest(leader.ckroot / leader.ckid)
+    manifest = store.read_manifest(leader.ckroot / leader.ckid).to_json()
     manifest["leader"] = "ab" * 16  # claims another leader, signed by our key
-    manifest["signature"] = leader.ident.sign(store.canonical_bytes(manifest)).hex()
+    manifest["signature"] = leader.ident.sign(mf.canonical_bytes(manifest)).hex()
     body = json.dumps({"id": leader.ckid, "manifest": manifest}).encode()
     with pytest.raises(FetchError, match="signed by another key"):
         fetch(leader, tmp_path / "out", expected=None, app=forged_app(leader, body))
@@ -233,8 +240,8 @@ def test_a_manifest_naming_a_leader_whose_key_did_not_sign_it_is_refused(leader,
 
 @pytest.mark.parametrize("body,reason", [
     (b"not json", "not JSON"), (b"[" * 100_000 + b"]" * 100_000, "not JSON"),
-    (b'{"id": 1}', "not an {id, manifest} object"), (b"[]", "not an {id, manifest}"),
-    (b" " * (9 * 2**20), "too long"),
+    (b'{"id": 1}', "not an {id, manifest, have} object"), (b"[]", "not an {id, manifest"),
+    (b" " * (12 * 2**20), "too long"),
 ])
 def test_a_hostile_checkpoint_answer_is_refused(leader, tmp_path, body, reason):
     with pytest.raises(FetchError, match=reason):
@@ -254,29 +261,38 @@ def test_a_checkpoint_rewritten_under_the_same_id_replaces_the_fetched_one(leade
 
 @pytest.mark.parametrize("damage,reason", [
     (lambda m: m.update(step=True), "not a count"),
-    (lambda m: m.update(step=8), "does not name the manifest's term and step"),
+    (lambda m: m.update(step=8), "signature does not verify"),
     (lambda m: m.update(extra=1), "unexpected"),
     (lambda m: m.pop("arch"), "missing"),
     (lambda m: m["files"][store.MODEL_FILE]["xxh3_64"].pop(), "chunk list does not match"),
     (lambda m: m["files"][store.MODEL_FILE].update(size=2**60), "impossible size"),
-    (lambda m: m["files"][store.STATE_FILE].update(chunk_size=2**30), "chunk size out of"),
+    (lambda m: m["files"][store.STATE_FILE].update(chunk_size=2**30), "outside"),
     (lambda m: m["files"][store.STATE_FILE]["xxh3_64"].__setitem__(0, "x" * 16), "chunk hash"),
-    (lambda m: m["files"].pop(store.STATE_FILE), "wrong files"),
+    (lambda m: m["files"].pop(store.STATE_FILE), "must list exactly"),
+    (lambda m: m["swarm_count"].update(x=1), "not the sum"),
+    (lambda m: m["files"][store.STATE_FILE].update(size=0), "impossible size"),
     (lambda m: m.update(leader_key="0G" * 32), "malformed"),
     (lambda m: m.update(leader_key="00" * 32), "signature does not verify"),
     (lambda m: m.update(signature="00" * 64), "signature does not verify"),
 ])
 def test_malformed_or_tampered_manifests_are_refused(leader, damage, reason):
-    manifest = store.read_manifest(leader.ckroot / leader.ckid)
-    assert check_answer({"id": leader.ckid, "manifest": manifest}) == (leader.ckid, manifest)
+    manifest = store.read_manifest(leader.ckroot / leader.ckid).to_json()
+    ckid, parsed, have = check_answer({"id": leader.ckid, "manifest": manifest})
+    assert (ckid, parsed.to_json(), have) == (leader.ckid, manifest, None)
     damage(manifest)
     with pytest.raises(FetchError, match=reason):
         check_answer({"id": leader.ckid, "manifest": manifest})
 
 
+def test_an_id_that_does_not_name_the_manifest_is_refused(leader):
+    manifest = store.read_manifest(leader.ckroot / leader.ckid).to_json()
+    with pytest.raises(FetchError, match="does not name the manifest's term and step"):
+        check_answer({"id": "ckpt-t000002-s0000000008", "manifest": manifest})
+
+
 def test_an_interrupted_fetch_resumes_with_only_the_missing_chunks(leader, tmp_path):
     leader.cut_after = 3
-    with pytest.raises(FetchError, match="transfer failed"):
+    with pytest.raises(FetchError, match="closed the connection|cut short|attempts"):
         fetch(leader, tmp_path / "out", chunk_retries=1)
     partial = tmp_path / "out" / (PARTIAL_PREFIX + leader.ckid)
     done = json.loads((partial / "progress.json").read_text())["done"]
@@ -284,15 +300,18 @@ def test_an_interrupted_fetch_resumes_with_only_the_missing_chunks(leader, tmp_p
     leader.cut_after, leader.counts["chunks"] = None, 0
     out = fetch(leader, tmp_path / "out")
     assert leader.counts["chunks"] == 6 - 3
-    assert store.read_manifest(out)["leader"] == leader.ident.node_id and not partial.exists()
+    assert store.read_manifest(out).leader == leader.ident.node_id and not partial.exists()
 
 
 def test_a_resumed_chunk_that_no_longer_hashes_right_is_fetched_again(leader, tmp_path):
     leader.cut_after = 3
     with pytest.raises(FetchError):
         fetch(leader, tmp_path / "out", chunk_retries=0)
-    partial_model = tmp_path / "out" / (PARTIAL_PREFIX + leader.ckid) / store.MODEL_FILE
-    with open(partial_model, "r+b") as f:  # a crash lost part of a chunk listed as done
+    partial = tmp_path / "out" / (PARTIAL_PREFIX + leader.ckid)
+    done = json.loads((partial / "progress.json").read_text())["done"]
+    name = next(n for n in done if done[n])  # a file with a chunk listed as done
+    with open(partial / name, "r+b") as f:  # a crash lost part of a chunk listed as done
+        f.seek(done[name][0] * CHUNK)
         f.write(b"\0" * 16)
     leader.cut_after, leader.counts["chunks"] = None, 0
     fetch(leader, tmp_path / "out")
@@ -365,11 +384,14 @@ def test_parse_range(header, size, want):
         assert parse_range(header, size) == want
 
 
-def test_without_a_checkpoint_of_its_own_the_leader_has_none_to_give(leader, tmp_path):
+def test_a_holder_serves_what_it_holds_and_the_fetcher_wants_the_leaders(leader, tmp_path):
     other = load_or_create(tmp_path / "other")
-    save_checkpoint(leader.ckroot, other, step=9)  # newer, but not signed by the leader
-    assert latest_own(leader.ckroot, leader.ident.node_id)[0] == leader.ckid
-    assert latest_own(leader.ckroot, other.node_id)[0] == "ckpt-t000002-s0000000009"
+    save_checkpoint(leader.ckroot, other, step=9)  # newer, signed by another node
+    assert Shelf(lambda: [leader.ckroot]).latest().id == "ckpt-t000002-s0000000009"
+    with pytest.raises(FetchError, match=f"signed by {other.node_id}, not the leader"):
+        fetch(leader, tmp_path / "out")
+    assert fetch(leader, tmp_path / "out2", expected=other.node_id).name == \
+        "ckpt-t000002-s0000000009"
     leader.ckroot = tmp_path / "empty"
     with pytest.raises(FetchError, match="no checkpoint"):
         fetch(leader, tmp_path / "out")
@@ -377,11 +399,12 @@ def test_without_a_checkpoint_of_its_own_the_leader_has_none_to_give(leader, tmp
 
 def test_verification_is_cached_until_the_manifest_changes(leader, monkeypatch):
     calls = []
-    real = store.read_manifest
-    monkeypatch.setattr(store, "read_manifest", lambda p: calls.append(p.name) or real(p))
+    real = mf.verify
+    monkeypatch.setattr(mf, "verify", lambda p, *a: calls.append(p.name) or real(p, *a))
+    shelf = Shelf(lambda: [leader.ckroot])
     for _ in range(3):
-        assert latest_own(leader.ckroot, leader.ident.node_id)[0] == leader.ckid
+        assert shelf.latest().id == leader.ckid
     assert calls == [leader.ckid]
     save_checkpoint(leader.ckroot, leader.ident, seed=1)  # the same (term, step) rewritten
-    assert latest_own(leader.ckroot, leader.ident.node_id)[0] == leader.ckid
+    assert shelf.latest().id == leader.ckid
     assert calls == [leader.ckid, leader.ckid]

@@ -104,7 +104,7 @@ def test_a_leader_on_a_full_disk_keeps_training_and_checkpoints_once_space_is_fr
             e for e in node.events() if e.get("event") == "checkpoint"], 60)
         path = checkpoint.list_checkpoints(state / "checkpoints")[0]
         manifest = checkpoint.read_manifest(path)
-        assert manifest["step"] >= step and written[0]["path"].startswith(str(state))
+        assert manifest.step >= step and written[0]["path"].startswith(str(state))
         assert node.alive()
         assert lab.stop_all() == [0]
         _no_traceback(node.output())

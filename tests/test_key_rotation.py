@@ -24,11 +24,12 @@ from p2ptrain.net.auth import (
     check_response,
     derive_mac_key,
 )
-from p2ptrain.net.ckptserve import add_checkpoint_routes
+from p2ptrain.net.ckptserve import Serving, add_checkpoint_routes
 from p2ptrain.net.discovery import Discovery
 from p2ptrain.net.fetch import FetchError, fetch_latest
 from p2ptrain.net.hello import HelloRefused, add_hello_route, hello
 from p2ptrain.net.keyring import ROTATED, SAVE_EVERY, Keyring
+from p2ptrain.net.shelf import Shelf
 from tests.test_ckptfetch import save_checkpoint, serving
 from tests.test_discovery import _advert
 
@@ -180,7 +181,7 @@ def test_checkpoints_stay_valid_across_a_rotation(tmp_path):
     async def fetch(key: bytes, out: Path) -> Path:
         app = web.Application()
         add_hello_route(app, auth)
-        add_checkpoint_routes(app, lambda: path.parent, auth, ident.node_id)
+        add_checkpoint_routes(app, Serving(Shelf(lambda: [path.parent]), auth))
         async with serving(app) as base, aiohttp.ClientSession() as session:
             return await fetch_latest(session, base, Signer(key, secrets.token_hex(16), 1), out,
                                       expected_leader=ident.node_id)

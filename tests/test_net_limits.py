@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.proto import PROTOCOL_VERSION
 from tests.swarmlab import SwarmLab, free_ports, wait_for
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
@@ -86,7 +87,7 @@ def fake_headers(addr: str, route: str, length: int, receiver: str) -> bytes:
     """A request head with well-formed credentials that do not verify."""
     return (f"POST {route} HTTP/1.1\r\nHost: {addr}\r\n"
             f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n"
-            f"X-P2P-Version: 2\r\nX-P2P-To: {receiver}\r\n"
+            f"X-P2P-Version: {PROTOCOL_VERSION}\r\nX-P2P-To: {receiver}\r\n"
             f"X-P2P-Sender: {secrets.token_hex(16)}\r\nX-P2P-Seq: 1.1\r\n"
             f"X-P2P-MAC: {secrets.token_hex(32)}\r\n\r\n").encode()
 

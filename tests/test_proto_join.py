@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2ptrain.proto import GossipConfig, NodeConfig
-from p2ptrain.proto.events import CheckpointFetched, FetchCheckpoint, Joined
+from p2ptrain.proto.events import AdoptCheckpoint, CheckpointFetched, FetchCheckpoint, Joined
 from p2ptrain.proto.joining import Join
 from tests.cluster.training import TrainingCluster
 from tests.test_node import learner
@@ -72,7 +72,7 @@ def test_a_node_with_an_older_replica_adopts_but_a_newer_one_keeps_its_own():
     assert _join(0, 100, 1, 3, 1, 4)
     for own, adopt in ((100, True), (10_000, False)):
         join = _join(0.0, own, 5, 3, 1, 4)
-        actions = join.advance(0.0, "me", "leader", lambda _i: "10.0.0.1:7100")
+        actions = join.advance(0.0, "me", "leader", lambda _i: ("10.0.0.1:7100",))
         assert [type(a) for a in actions] == [FetchCheckpoint]
         actions = join.fetched(0.5, CheckpointFetched("ck", swarm_samples=5_000))
         names = [type(a).__name__ for a in actions]
@@ -86,7 +86,7 @@ def test_failed_fetches_back_off_and_follow_the_leader_of_the_moment():
     t, sent = 0.0, []
     leader = "L1"
     for attempt in range(1, 5):
-        actions = join.advance(t, "me", leader, addrs.get)
+        actions = join.advance(t, "me", leader, lambda i: (addrs[i],) if i in addrs else ())
         assert [type(a) for a in actions] == [FetchCheckpoint], (attempt, actions)
         sent.append((t, actions[0]))
         actions = join.fetched(t + 0.1, CheckpointFetched(None, reason="refused", retry=True))
@@ -95,7 +95,7 @@ def test_failed_fetches_back_off_and_follow_the_leader_of_the_moment():
                 actions[0].reason
             break
         assert actions == [] and join.state == "backoff"
-        assert join.advance(join.retry_at - 0.01, "me", leader, addrs.get) == []
+        assert join.advance(join.retry_at - 0.01, "me", leader, lambda i: (addrs[i],)) == []
         t = join.next_deadline()
         leader = "L2"  # the leader died meanwhile: the next attempt asks the new one
     gaps = [round(b[0] - a[0] - 0.1, 6) for a, b in zip(sent, sent[1:], strict=False)]
@@ -105,16 +105,16 @@ def test_failed_fetches_back_off_and_follow_the_leader_of_the_moment():
 
 def test_a_leader_without_a_checkpoint_is_not_asked_again():
     join = _join(0.0, 0, 5, 6, 1, 4)
-    join.advance(0.0, "me", "L", lambda _i: "10.0.0.1:7100")
+    join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",))
     actions = join.fetched(0.2, CheckpointFetched(None, reason="no checkpoint", retry=False))
     assert [type(a) for a in actions] == [Joined] and join.attempt == 1
 
 
 def test_no_leader_at_all_ends_the_join_after_the_timeout():
     join = _join(0.0, 0, 3, 6, 1, 4)
-    assert join.advance(2.9, "me", None, lambda _i: None) == []
+    assert join.advance(2.9, "me", None, lambda _i: ()) == []
     assert join.next_deadline() == 3.0
-    actions = join.advance(3.0, "me", None, lambda _i: None)
+    actions = join.advance(3.0, "me", None, lambda _i: ())
     assert [type(a) for a in actions] == [Joined] and "within 3s" in actions[0].reason
 
 
@@ -141,14 +141,15 @@ def test_a_wrecked_or_far_worse_checkpoint_is_refused():
     """Issue 13, item 13: a hostile leader cannot hand its joiners wrecked weights."""
     def offer(event, reference=None):
         join = _join(0.0, 0, 5, 3, 1, 4)
-        join.advance(0.0, "me", "L", lambda _i: "10.0.0.1:7100")
+        join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",))
         return join, join.fetched(0.5, event, reference)
 
     inf = float("inf")
     for event, reference, adopted in [
         (CheckpointFetched("ck", 900, loss=inf, own_loss=5.5), None, False),  # not finite
         (CheckpointFetched("ck", 900, loss=9.0, own_loss=5.5), None, False),  # worse than ours
-        (CheckpointFetched("ck", 900, loss=4.0, own_loss=5.5), 2.1, False),  # the swarm: 2.1
+        (CheckpointFetched("ck", 900, loss=4.0, own_loss=5.5), 2.1, True),  # beats our own
+        (CheckpointFetched("ck", 900, loss=4.0, own_loss=2.0), 2.1, False),  # worse than both
         (CheckpointFetched("ck", 900, loss=2.2, own_loss=5.5), 2.1, True),
         (CheckpointFetched("ck", 900, loss=2.0, own_loss=5.5), None, True),
         (CheckpointFetched("ck", 900), None, True),  # not judged (no loss measured)
@@ -160,3 +161,44 @@ def test_a_wrecked_or_far_worse_checkpoint_is_refused():
         assert (join.refused == "L") == (not adopted)
         if not adopted:
             assert actions[0].reason.startswith("refused the leader's checkpoint")
+
+
+def test_a_joiner_fetches_from_the_leader_and_every_member_holding_the_same_checkpoint():
+    """Issue 14: members gossip what they hold; a joiner's FetchCheckpoint names the leader
+    first, then each member that holds the leader's checkpoint (here: the one that joined
+    just before it and fetched it)."""
+    c = trained_cluster(n=4, seed=7)
+    leader = c.leaders()[0]
+    first, second = [i for i in range(4) if i != leader][:2]
+    for joiner in (first, second):
+        c.crash(joiner)
+    c.run_for(2.0)
+    c.restart(first)
+    while not c.training_node(first).join.done:
+        c.run_for(0.05)
+    c.run_for(0.3)  # the first joiner's headers say what it holds now
+    c.restart(second)
+    while not c.training_node(second).join.done:
+        c.run_for(0.05)
+    fetch = [a for _, i, a in c.fetches if i == second][-1]
+    addrs = {i: c.nodes[i].info.addr for i in range(4)}
+    assert fetch.sources[0] == addrs[leader]
+    assert fetch.sources[1:] == (addrs[first],), (fetch.sources, addrs)
+    holdings = c.training_node(second).control.membership.holdings
+    lead_id, first_id = c.nodes[leader].info.node_id, c.nodes[first].info.node_id
+    assert holdings.of(lead_id) == holdings.of(first_id) is not None
+    assert c.training_node(second).status()["holds"] is not None  # it holds it now, too
+
+
+def test_a_checkpoint_is_judged_against_the_swarm_as_it_was_when_the_fetch_began():
+    """A 4 GB fetch takes minutes; the swarm's loss falls meanwhile. The yardstick is the
+    loss reported when the fetch began, not the one reported when it ends."""
+    join = _join(0.0, 0, 10.0, 3, 1.0, 4.0)
+    join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",), swarm_loss=2.6)
+    done = join.fetched(600.0, CheckpointFetched("ck", 900, loss=2.58, own_loss=2.0),
+                        reference=1.8)  # the swarm trained on for ten minutes
+    assert any(type(a) is AdoptCheckpoint for a in done) and join.refused is None
+    join = _join(0.0, 0, 10.0, 3, 1.0, 4.0)
+    join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",), swarm_loss=1.8)
+    join.fetched(600.0, CheckpointFetched("ck", 900, loss=2.58, own_loss=2.0), reference=2.6)
+    assert join.refused == "L"  # far worse than the swarm was and than our own: refused

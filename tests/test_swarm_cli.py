@@ -80,4 +80,4 @@ def test_the_run_ends_for_everyone_at_total_samples_with_a_final_checkpoint(tmp_
         manifest = checkpoint.read_manifest(checkpoint.list_checkpoints(
             (a if leader_final[0]["path"].startswith(str(a.state_dir)) else b).state_dir
             / "checkpoints")[0])
-        assert manifest["swarm_samples"] >= 6000
+        assert manifest.swarm_samples >= 6000

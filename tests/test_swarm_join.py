@@ -25,7 +25,7 @@ def _join_reason(proc) -> str:
 
 
 def _leader_samples(proc) -> int:
-    done = [checkpoint.read_manifest(c)["swarm_samples"]
+    done = [checkpoint.read_manifest(c).swarm_samples
             for c in checkpoint.list_checkpoints(proc.state_dir / "checkpoints")]
     return max(done, default=0)
 

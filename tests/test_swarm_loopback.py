@@ -59,7 +59,7 @@ def test_four_nodes_train_checkpoint_fail_over_and_rejoin(tmp_path):
         served = wait_for("a checkpoint signed by the leader",
                           lambda: [c for c in checkpoint.list_checkpoints(
                               lead.state_dir / "checkpoints")
-                              if checkpoint.read_manifest(c)["leader"] == leader], 60)
+                              if checkpoint.read_manifest(c).leader == leader], 60)
 
         # a fifth process fetches the leader's latest checkpoint through any node
         out = tmp_path / "fetched"
@@ -69,7 +69,7 @@ def test_four_nodes_train_checkpoint_fail_over_and_rejoin(tmp_path):
         assert r.returncode == 0, r.stderr
         got = out / r.stdout.strip().splitlines()[-1].rsplit("/", 1)[-1]
         manifest = checkpoint.read_manifest(got)
-        assert manifest["leader"] == leader
+        assert manifest.leader == leader
         original = lead.state_dir / "checkpoints" / got.name
         if original.exists():  # not yet pruned by the leader's keep-K
             assert manifest == checkpoint.read_manifest(original)

@@ -269,7 +269,7 @@ def size_cases(peer: FakePeer) -> list[Case]:
         data = b"\0" * (CONTROL_LIMIT + 1)
         # well-formed (unverifiable) credentials: the server reads up to the limit, then 413
         assert peer.receiver is not None
-        creds = (f"X-P2P-Version: 2\r\nX-P2P-To: {peer.receiver.header()}\r\n"
+        creds = (f"X-P2P-Version: {PROTOCOL_VERSION}\r\nX-P2P-To: {peer.receiver.header()}\r\n"
                  f"X-P2P-Sender: {peer.node_id}\r\nX-P2P-Seq: 1.{peer.signer.seq + 1000}\r\n"
                  f"X-P2P-MAC: {'0' * 64}")
         return raw_http(peer.addr, post_head(peer.addr, CONTROL, "Transfer-Encoding: chunked\r\n"
@@ -583,10 +583,10 @@ def test_the_fetcher_refuses_corrupt_or_foreign_checkpoints(tmp_path):
             lambda d: d["leader"] == leader and d["node_id"])(follower.status()), 30)
         ours = wait_for("a checkpoint signed by the leader", lambda: [
             c for c in checkpoint.list_checkpoints(lead.state_dir / "checkpoints")
-            if checkpoint.read_manifest(c)["leader"] == leader], 30)
+            if checkpoint.read_manifest(c).leader == leader], 30)
         wait_for("a local checkpoint of the follower, signed by itself", lambda: [
             c for c in checkpoint.list_checkpoints(follower.state_dir / "checkpoints")
-            if checkpoint.read_manifest(c)["leader"] == follower_id], 30)
+            if checkpoint.read_manifest(c).leader == follower_id], 30)
 
         # (b) manifests signed by a non-leader
         for addr, expected, signer_id in ((follower.addr, leader, follower_id),
@@ -600,7 +600,7 @@ def test_the_fetcher_refuses_corrupt_or_foreign_checkpoints(tmp_path):
 
         # the control experiment: the leader's checkpoint, untouched, is fetched
         got = asyncio.run(_fetch(lead.addr, lab.swarm, tmp_path / "out-good", leader))
-        assert checkpoint.read_manifest(got)["leader"] == leader
+        assert checkpoint.read_manifest(got).leader == leader
 
         # (a) one byte flipped in the leader's weights after the manifest was written
         target = ours[0] / checkpoint.MODEL_FILE

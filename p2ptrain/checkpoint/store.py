@@ -22,8 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
+from p2ptrain.checkpoint import manifest as mf
+from p2ptrain.checkpoint.manifest import (
+    CHUNK_SIZE,
+    DATA_FILES,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    CheckpointError,
+    Manifest,
+    checkpoint_name,
+)
 from p2ptrain.checkpoint.safetensors_io import (
     SafetensorsError,
     read_header,
@@ -31,19 +41,13 @@ from p2ptrain.checkpoint.safetensors_io import (
     write_safetensors,
 )
 from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
-from p2ptrain.identity import Identity, node_id_of, verify_signature
+from p2ptrain.identity import Identity
 
-FORMAT = "p2ptrain-checkpoint/1"
-MODEL_FILE, STATE_FILE, MANIFEST_FILE = "model.safetensors", "state.safetensors", "manifest.json"
-CHUNK_SIZE = 4 * 2**20
-MAX_CHUNK_SIZE = 64 * 2**20  # a manifest's chunk size, at most (one read)
+MIN_WRITE_CHUNK = 256 * 2**10  # the smallest chunk the store writes
+CHUNKS_WANTED = 64  # a file is cut into at least this many chunks while they stay >= the min
 NAME_RE = re.compile(r"ckpt-t([0-9]{6,})-s([0-9]{10,})")  # use with fullmatch
 TMP_PREFIX = ".tmp-ckpt-"
 STATE_META_KEY = "p2ptrain.state"
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing, corrupt, unsigned or unreadable; the message says which."""
 
 
 class CheckpointMismatch(CheckpointError):
@@ -62,10 +66,6 @@ class Snapshot:
     model_tensors: list[tuple[str, np.ndarray]]  # named weight views
     state_tensors: list[tuple[str, np.ndarray]]  # optimiser moments etc.
     state_meta: dict = field(default_factory=dict)  # JSON-able resume data
-
-
-def checkpoint_name(term: int, step: int) -> str:
-    return f"ckpt-t{term:06d}-s{step:010d}"
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -87,10 +87,12 @@ def stale_temporaries(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX))
 
 
-def canonical_bytes(manifest: dict) -> bytes:
-    """What the leader's signature covers: the manifest without its signature, canonical JSON."""
-    body = {k: v for k, v in manifest.items() if k != "signature"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+def chunk_size_for(nbytes: int) -> int:
+    """The chunk size a file of about `nbytes` is hashed (and fetched) in: a power of two
+    giving at least CHUNKS_WANTED chunks -- so many holders can serve one small file at once
+    -- within [MIN_WRITE_CHUNK, CHUNK_SIZE] (CHUNK_SIZE wins if smaller: tests shrink it)."""
+    want = 1 << max(0, (max(nbytes, 1) // CHUNKS_WANTED - 1).bit_length())
+    return min(CHUNK_SIZE, max(MIN_WRITE_CHUNK, want))
 
 
 def save(
@@ -99,8 +101,10 @@ def save(
     identity: Identity,
     keep: int,
     progress: Callable[[str, int, int], None] | None = None,
+    pinned: Callable[[str], bool] | None = None,
 ) -> Path:
-    """Write `snap` as a new checkpoint directory under `root`; prune to the newest `keep`.
+    """Write `snap` as a new checkpoint directory under `root`; prune to the newest `keep`
+    (except those `pinned(name)` says are in use).
 
     `progress(file_name, bytes_written, total)` is called while the weight file is written.
     OSError (e.g. a full disk) leaves nothing behind and names `root` when the system did not
@@ -118,26 +122,18 @@ def save(
         digests = {
             MODEL_FILE: write_safetensors(tmp / MODEL_FILE, snap.model_tensors,
                                           {"format": "pt", "p2ptrain.arch": json.dumps(snap.arch)},
-                                          CHUNK_SIZE, model_progress),
+                                          chunk_size_for(_nbytes(snap.model_tensors)),
+                                          model_progress),
             STATE_FILE: write_safetensors(tmp / STATE_FILE, snap.state_tensors,
                                           {STATE_META_KEY: json.dumps(snap.state_meta)},
-                                          CHUNK_SIZE),
+                                          chunk_size_for(_nbytes(snap.state_tensors))),
         }
-        manifest = {
-            "format": FORMAT,
-            "step": snap.step,
-            "term": snap.term,
-            "leader": identity.node_id,
-            "leader_key": identity.public_key.hex(),
-            "fingerprint": snap.fingerprint,
-            "arch": snap.arch,
-            "swarm_samples": sum(snap.swarm_count.values()),
-            "swarm_count": snap.swarm_count,
-            "files": {name: {"size": d.size, "chunk_size": d.chunk_size, "xxh3_64": d.chunks}
-                      for name, d in digests.items()},
-        }
-        manifest["signature"] = identity.sign(canonical_bytes(manifest)).hex()
-        atomic_write_bytes(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
+        manifest = mf.sign(identity, step=snap.step, term=snap.term,
+                           fingerprint=snap.fingerprint, arch=snap.arch,
+                           swarm_count=snap.swarm_count,
+                           files={name: mf.FileEntry(d.size, d.chunk_size, tuple(d.chunks))
+                                  for name, d in digests.items()})
+        atomic_write_bytes(tmp / MANIFEST_FILE, manifest.encode())
         fsync_dir(tmp)
         if final.exists():  # the same (term, step) again: replace it
             shutil.rmtree(final)
@@ -149,62 +145,21 @@ def save(
             raise OSError(exc.errno, exc.strerror, str(root)) from exc
         raise
     for old in list_checkpoints(root)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+        if pinned is None or not pinned(old.name):  # e.g. being fetched right now
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def read_manifest(path: Path) -> dict:
-    """The manifest of checkpoint `path`, with its signature and every file hash verified."""
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path.name}: no manifest.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path.name}: unreadable manifest ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path.name}: not a {FORMAT} manifest")
-    try:
-        key = bytes.fromhex(manifest["leader_key"])
-        signature = bytes.fromhex(manifest["signature"])
-        files = manifest["files"]
-        for k in ("step", "term", "swarm_samples"):
-            if not isinstance(manifest[k], int) or manifest[k] < 0:
-                raise ValueError(k)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path.name}: manifest field missing or malformed ({exc})") from None
-    if not verify_signature(key, signature, canonical_bytes(manifest)):
-        raise CheckpointError(f"{path.name}: manifest signature does not verify")
-    if node_id_of(key) != manifest.get("leader"):
-        raise CheckpointError(f"{path.name}: manifest names a leader its key does not belong to")
-    if not isinstance(files, dict) or set(files) != {MODEL_FILE, STATE_FILE}:
-        raise CheckpointError(f"{path.name}: manifest lists the wrong files")
-    for name, entry in files.items():
-        _verify_file(path / name, entry)
+def _nbytes(tensors: list[tuple[str, np.ndarray]]) -> int:
+    return sum(t.nbytes for _, t in tensors)
+
+
+def read_manifest(path: Path, files: tuple[str, ...] = DATA_FILES) -> Manifest:
+    """The manifest of checkpoint `path`, with its signature and the hashes of `files`
+    verified (every data file unless told otherwise)."""
+    manifest = mf.read(path)
+    mf.verify(path, manifest, files)
     return manifest
-
-
-def _verify_file(path: Path, entry: dict) -> None:
-    where = f"{path.parent.name}/{path.name}"
-    try:
-        size, chunk, digests = entry["size"], entry["chunk_size"], entry["xxh3_64"]
-    except (KeyError, TypeError):
-        raise CheckpointError(f"{where}: malformed file entry in manifest") from None
-    if (type(size) is not int or type(chunk) is not int or type(digests) is not list
-            or size < 0 or not 0 < chunk <= MAX_CHUNK_SIZE
-            or not all(type(d) is str for d in digests)):
-        raise CheckpointError(f"{where}: malformed file entry in manifest")
-    if len(digests) != max(1, -(-size // chunk)):
-        raise CheckpointError(f"{where}: chunk list does not match the size")
-    try:
-        actual = path.stat().st_size
-        if actual != size:
-            raise CheckpointError(f"{where}: {actual} bytes, manifest says {size} (truncated?)")
-        with open(path, "rb") as f:
-            for i, want in enumerate(digests):
-                if xxhash.xxh3_64_hexdigest(f.read(chunk)) != want:
-                    raise CheckpointError(f"{where}: chunk {i} does not match its hash")
-    except OSError as exc:
-        raise CheckpointError(f"{where}: cannot be read ({exc.strerror or exc})") from None
 
 
 def load_tensors(path: Path, file_name: str, targets: dict[str, np.ndarray]) -> dict[str, str]:
@@ -231,7 +186,7 @@ def state_meta(metadata: dict[str, str]) -> dict:
 @dataclass
 class Found:
     path: Path | None  # the newest checkpoint that verifies, or None
-    manifest: dict | None  # its verified manifest
+    manifest: Manifest | None  # its verified manifest
     skipped: list[str]  # why each newer one was passed over
 
 
@@ -245,7 +200,7 @@ def find_latest(root: Path, fingerprint: str) -> Found:
         except CheckpointError as exc:
             skipped.append(str(exc))
             continue
-        if manifest.get("fingerprint") != fingerprint:
+        if manifest.fingerprint != fingerprint:
             raise CheckpointMismatch(
                 f"{path} holds a checkpoint of another model ({describe_arch(manifest)}); "
                 f"train that model, or use another --state-dir"
@@ -254,8 +209,6 @@ def find_latest(root: Path, fingerprint: str) -> Found:
     return Found(None, None, skipped)
 
 
-def describe_arch(manifest: dict) -> str:
-    arch = manifest.get("arch")
-    if not isinstance(arch, dict):
-        return "unknown architecture"
+def describe_arch(manifest: Manifest) -> str:
+    arch = manifest.arch
     return " ".join(f"{k}={v}" for k, v in arch.items())

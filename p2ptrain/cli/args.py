@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain.checkpoint import Manifest
 
 
 def flags_of(args: argparse.Namespace) -> dict:
@@ -23,7 +27,7 @@ def resolve_config(args: argparse.Namespace):
     return resolve(config_file_from(getattr(args, "config", None)), os.environ, flags_of(args))
 
 
-def resolve_checkpoint(path: Path) -> tuple[Path, dict]:
+def resolve_checkpoint(path: Path) -> tuple[Path, Manifest]:
     """A checkpoint directory, or the newest valid one under a state or checkpoints dir."""
     from p2ptrain import checkpoint
     from p2ptrain.errors import UserError

@@ -68,7 +68,7 @@ def cmd_sample(args) -> int:
         raise UserError("--temperature must be >= 0")
     path, manifest = resolve_checkpoint(Path(args.checkpoint).expanduser())
     try:
-        model = model_from_arch(manifest.get("arch"))
+        model = model_from_arch(manifest.arch)
     except ValueError as exc:
         raise UserError(f"{path.name}: {exc}") from None
     params = model.space.zeros()

@@ -101,14 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
     fetch = ckpt_sub.add_parser("fetch", help="download the leader's latest checkpoint",
                                 description="Find the swarm's leader (by mDNS, or through "
-                                "--peer), download its latest checkpoint, verify the leader's "
+                                "--peer), download its latest checkpoint from the leader and "
+                                "every member that holds it, all at once, verify the leader's "
                                 "signature and every chunk, resume after an interruption, and "
-                                "write the checkpoint directory into --out atomically.")
+                                "write the checkpoint directory into --out atomically. A bar "
+                                "with rate and ETA on a terminal, a line every 5 s otherwise.")
     fetch.add_argument("--peer", default=None, help="a node of the swarm, HOST:PORT")
     fetch.add_argument("--config", help="the swarm's configuration file (instead of --token)")
     fetch.add_argument("--out", default=".", help="directory to write the checkpoint into")
     fetch.add_argument("--timeout", type=float, default=30.0,
                        help="seconds to look for the leader")
+    fetch.add_argument("--weights-only", action="store_true",
+                       help="fetch model.safetensors only, not the optimiser state (enough to "
+                       "sample, export or fine-tune; not to resume the run)")
+    fetch.add_argument("--leader-only", action="store_true",
+                       help="fetch from the leader alone, not from every holder")
     _add_option_flags(fetch, SWARM_KEYS)
 
     sample = sub.add_parser("sample", help="generate text from a checkpoint", description=(

@@ -48,7 +48,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     path, manifest = resolve_checkpoint(Path(args.checkpoint).expanduser())
     try:
-        model = model_from_arch(manifest.get("arch"))
+        model = model_from_arch(manifest.arch)
     except ValueError as exc:
         raise UserError(f"{path.name}: {exc}") from None
     if not isinstance(model, RWKV):
@@ -61,7 +61,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         written = export_hf(model, params, out, tokenizer=args.tokenizer)
     except HFFormatError as exc:
         raise UserError(str(exc)) from None
-    print(f"exported {path} (step {manifest['step']}, {model.space.n_params:,} parameters) "
+    print(f"exported {path} (step {manifest.step}, {model.space.n_params:,} parameters) "
           f"to {out}: {', '.join(written)}")
     if TOKENIZER_FILE not in written:
         print(f"note: no tokenizer written (vocabulary of {model.vocab_size} tokens is not "

@@ -34,6 +34,7 @@ from p2ptrain.config import (
 )
 from p2ptrain.errors import UserError
 from p2ptrain.net.auth import AuthError
+from p2ptrain.net.neterrors import explain
 from p2ptrain.report import Reporter, human_count
 from p2ptrain.statelock import lock_state_dir, state_dir_of
 from p2ptrain.swarm import (
@@ -272,6 +273,11 @@ def cmd_status(args) -> int:
     print(f"swarm {doc.get('swarm')!r} | node {doc['node_id'][:12]} ({doc.get('phase')}) | "
           f"leader {leader[:12] if leader else 'none'} (term {doc.get('term')}) | swarm "
           f"samples {doc.get('swarm_samples', 0):,}")
+    holds, served = doc.get("holds"), (doc.get("runtime") or {}).get("served_bytes", 0)
+    if holds or served:
+        what = (f"holds checkpoint t{holds['term']}-s{holds['step']} ({holds['digest']})"
+                if holds else "holds no checkpoint")
+        print(f"{what} | served {human_count(served)}B of checkpoints")
     head = ("node", "address", "class", "state", "step", "loss", "samples", "in", "out", "rtt")
     rows = [(doc["node_id"][:12] + "*", doc.get("addr") or "-", "-", doc.get("phase"),
              doc.get("step"), doc.get("loss"), doc.get("samples"), doc.get("bytes_in"),
@@ -301,8 +307,26 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _sources(doc: dict, addr: str, leader_only: bool) -> list[str]:
+    """From one node's status: the leader's address first, then every member that says it
+    holds the same checkpoint (its `holds` digest) and accepts connections."""
+    leader = doc.get("leader")
+    rows = [{**doc, "addr": addr}, *[m for m in doc.get("members", []) if isinstance(m, dict)]]
+    lead = next((r for r in rows if r.get("node_id") == leader and r.get("addr")), None)
+    if lead is None:
+        return []
+    digest = (lead.get("holds") or {}).get("digest")
+    others = [] if leader_only or digest is None else [
+        r["addr"] for r in rows if r is not lead and isinstance(r.get("addr"), str)
+        and (r.get("holds") or {}).get("digest") == digest and not r.get("outbound_only")
+        and r.get("state", "alive") == "alive"]
+    return [lead["addr"], *others]
+
+
 def cmd_fetch(args, flags: dict) -> int:
-    from p2ptrain.net.fetch import FetchError, fetch_latest
+    from p2ptrain.checkpoint import DATA_FILES, MODEL_FILE
+    from p2ptrain.net.fetch import FetchError, fetch_checkpoint
+    from p2ptrain.net.fetchprogress import FetchProgress
 
     config_file = config_file_from(getattr(args, "config", None))
     cfg = resolve(config_file, os.environ, flags)
@@ -313,42 +337,48 @@ def cmd_fetch(args, flags: dict) -> int:
     if held is not None:  # writing into a node's state: never while that node runs
         lock_state_dir(held, instead="fetch into another --out")
     signer = throwaway_signer(swarm)
+    files = (MODEL_FILE,) if args.weights_only else DATA_FILES
+    say = lambda text: print(text, file=sys.stderr)  # noqa: E731
+    problems: list[str] = []
 
-    def bar(done: int, total: int) -> None:
-        width = 30
-        filled = int(width * done / max(total, 1))
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
-                         f"{human_count(done)}B / {human_count(total)}B")
-        sys.stderr.flush()
-
-    async def run() -> Path:
+    async def run():
         async with aiohttp.ClientSession() as session:
             async for addr in _candidates(swarm, peers, args.timeout, mdns=cfg["net.mdns"]):
                 try:
                     doc = await _get_json(session, f"http://{addr}/v1/status")
-                except (UserError, aiohttp.ClientError, OSError, TimeoutError):
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    problems.append(explain(exc, addr))
                     continue
-                leader = doc.get("leader")
-                if not leader:
+                except UserError as exc:
+                    problems.append(str(exc))
                     continue
-                where = addr if doc.get("node_id") == leader else next(
-                    (m.get("addr") for m in doc.get("members", [])
-                     if m.get("node_id") == leader), None)
-                if where is None:
+                sources = _sources(doc, addr, args.leader_only)
+                if not sources:
+                    problems.append(f"{addr} knows no reachable leader yet")
                     continue
-                print(f"leader {leader[:12]} at {where}; fetching its latest checkpoint",
-                      file=sys.stderr)
+                leader = doc["leader"]
+                say(f"leader {leader[:12]} at {sources[0]}; fetching its latest checkpoint "
+                    f"from {len(sources)} holder{'s' * (len(sources) != 1)}")
+                bar = FetchProgress("fetching", say=say)
                 try:
-                    return await fetch_latest(session, f"http://{where}", signer, out,
-                                              expected_leader=leader, progress=bar)
+                    return await fetch_checkpoint(session, sources, signer, out,
+                                                  expected_leader=leader, files=files,
+                                                  progress=bar)
                 finally:
-                    sys.stderr.write("\n")
-        raise UserError(f"no leader of swarm {swarm.name!r} found within {args.timeout:g}s"
-                        + ("" if peers else " by mDNS; give --peer HOST:PORT"))
+                    bar.close()
+        where = f" at {', '.join(peers)}" if peers else " by mDNS (give --peer HOST:PORT)"
+        why = f": {'; '.join(dict.fromkeys(problems))}" if problems else ""
+        raise UserError(f"no leader of swarm {swarm.name!r} found{where} within "
+                        f"{args.timeout:g}s{why}")
 
     try:
-        path = asyncio.run(run())
+        fetched = asyncio.run(run())
     except FetchError as exc:
         raise UserError(f"checkpoint fetch failed: {exc}") from None
-    print(path)
+    for addr, why in fetched.dropped.items():
+        say(f"warning: holder {addr} dropped: {why}")
+    served = ", ".join(f"{a} {n}" for a, n in fetched.served.items() if n)
+    if served:
+        say(f"chunks served by: {served}")
+    print(fetched.path)
     return 0

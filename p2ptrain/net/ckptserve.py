@@ -1,8 +1,14 @@
-"""Serving a node's own checkpoints over HTTP: the two MAC routes of the checkpoint API.
+"""Serving the checkpoints this node holds over HTTP: the MAC routes of the checkpoint API.
 
-    GET /v1/checkpoint              {"id": <dir name>, "manifest": {...}} of the newest
-                                    checkpoint this node signed itself; 404 if there is none
+    GET /v1/checkpoint              {"id", "manifest", "have"} of the newest checkpoint this
+                                    node holds, whole or in part (what it gossips); 404 if none
+    GET /v1/checkpoint/{id}         the same for checkpoint `id` (whole or in part); 404 if none
     GET /v1/checkpoint/{id}/{file}  the bytes of one file of checkpoint `id`; HTTP Range
+
+`have` is null when every chunk of both files is held, else per data file the runs
+[first, end) of chunk indices held (a fetch in progress, or weights only). Any holder serves
+(issue 14): the leader's own checkpoints, fetched ones, and the verified chunks of a fetch in
+progress (see shelf.py); the manifest is always the one its leader signed.
 
 Rules this file keeps:
 - Authentication comes first: a request whose MAC or sequence fails gets 401 with the reason
@@ -11,15 +17,14 @@ Rules this file keeps:
   To MAC a range the server reads it into memory first, so a range is at most MAX_RANGE
   bytes: a longer one (including the open form `bytes=a-`) is *clamped* to MAX_RANGE and
   answered 206 with the true Content-Range, which a client must read (ours always asks for
-  one manifest chunk, never more than MAX_RANGE). A whole-file 200 is MACed in a first pass
-  over a read-only mapping of the same open file, then streamed in 1 MiB slices (checkpoint
-  files are never rewritten or truncated in place -- store.save makes a new directory -- so
-  the mapping cannot fault, and the streamed bytes are the MACed ones).
-- Only checkpoints this node signed itself are served: the manifest verifies (signature and
-  every chunk hash, via store.read_manifest), names this node as leader, and its key hashes
-  to this node's id. Verification results are cached per (dir name, manifest inode, size,
-  mtime), so bytes rotting on disk after the first check are caught by the fetcher's chunk
-  hashes, not here.
+  one manifest chunk, never more than MAX_RANGE). A whole-file 200 (only of a file held
+  whole) is MACed in a first pass over a read-only mapping of the same open file, then
+  streamed (checkpoint files are never rewritten in place -- store.save makes a new
+  directory, a fetch writes each chunk once -- so the streamed bytes are the MACed ones).
+- A range is served only if every chunk it touches is held (else 404: "not held here"), so
+  a partial holder never sends bytes it has not verified.
+- Every body byte passes the node's upload bucket (the --max-upload-mbps cap covers serving)
+  and is counted (`on_served`).
 - `{id}` must be a checkpoint directory name (store.NAME_RE, ASCII) and `{file}` one of
   SERVED_FILES, checked before any path is built: anything else is 404.
 - Only single ranges `bytes=a-b` and `bytes=a-` are understood; anything else (multiple
@@ -30,93 +35,44 @@ Rules this file keeps:
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import mmap
 import os
-import threading
 from collections.abc import Awaitable, Callable
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from p2ptrain.checkpoint import store
-from p2ptrain.identity import node_id_of
+from p2ptrain.checkpoint import manifest as mf
 from p2ptrain.net.auth import AuthError, RequestId, ServerAuth
+from p2ptrain.net.pacing import TokenBucket
+from p2ptrain.net.shelf import Held, Shelf, is_checkpoint_name
 
-MAX_RANGE = 16 * 2**20  # most bytes one range response holds (read into memory to be MACed)
-SLICE = 2**20  # bytes per write when sending a body
-SERVED_FILES = (store.MODEL_FILE, store.STATE_FILE, store.MANIFEST_FILE)
-_CACHE_LIMIT = 256  # verification results remembered (oldest forgotten first)
+MAX_RANGE = mf.MAX_CHUNK_SIZE  # most bytes one range response holds (read into memory)
+SERVED_FILES = (mf.MODEL_FILE, mf.STATE_FILE, mf.MANIFEST_FILE)
 
-# (checkpoint root, dir name) -> (manifest stamp, verified manifest or None if it failed)
-_verdicts: dict[tuple[str, str], tuple[tuple[int, int, int], dict | None]] = {}
-_verify_lock = threading.Lock()  # one hashing pass at a time; later callers hit the cache
+__all__ = ["MAX_RANGE", "SERVED_FILES", "RangeError", "Serving", "add_checkpoint_routes",
+           "is_checkpoint_name", "parse_range"]
 
 
 class RangeError(ValueError):
     """A Range header this server will not satisfy (answered 416)."""
 
 
-def _stamp(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = (path / store.MANIFEST_FILE).stat()
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
+@dataclass(frozen=True)
+class Serving:
+    """What the checkpoint routes need."""
+
+    shelf: Shelf
+    auth: ServerAuth
+    bucket: TokenBucket = field(default_factory=lambda: TokenBucket(0))  # upload cap
+    on_refused: Callable[[], None] | None = None  # a request failed authentication
+    on_served: Callable[[int], None] | None = None  # body bytes of checkpoint data sent
 
 
-def _verified(ckroot: Path, name: str) -> dict | None:
-    """The verified manifest of checkpoint `name` under `ckroot` (cached), or None."""
-    path, key = ckroot / name, (str(ckroot), name)
-    with _verify_lock:
-        before = _stamp(path)
-        if before is None:
-            _verdicts.pop(key, None)
-            return None
-        cached = _verdicts.get(key)
-        if cached is not None and cached[0] == before:
-            return cached[1]
-        try:
-            manifest: dict | None = store.read_manifest(path)
-        except store.CheckpointError:
-            manifest = None
-        if _stamp(path) == before:  # not replaced while we hashed it
-            _verdicts.pop(key, None)
-            _verdicts[key] = (before, manifest)
-            while len(_verdicts) > _CACHE_LIMIT:
-                del _verdicts[next(iter(_verdicts))]
-        return manifest
-
-
-def _signed_by(manifest: dict, node_id: str) -> bool:
-    try:
-        key_id = node_id_of(bytes.fromhex(manifest["leader_key"]))
-    except (KeyError, TypeError, ValueError):
-        return False
-    return manifest.get("leader") == node_id and key_id == node_id
-
-
-def own_manifest(ckroot: Path, name: str, node_id: str) -> dict | None:
-    """The verified manifest of checkpoint `name` if this node signed it, else None."""
-    if not is_checkpoint_name(name):
-        return None
-    manifest = _verified(ckroot, name)
-    return manifest if manifest is not None and _signed_by(manifest, node_id) else None
-
-
-def latest_own(ckroot: Path, node_id: str) -> tuple[str, dict] | None:
-    """The newest checkpoint under `ckroot` that verifies and that `node_id` signed itself."""
-    for path in store.list_checkpoints(ckroot):
-        manifest = own_manifest(ckroot, path.name, node_id)
-        if manifest is not None:
-            return path.name, copy.deepcopy(manifest)
-    return None
-
-
-def is_checkpoint_name(text: str) -> bool:
-    """Whether `text` is exactly a checkpoint directory name (ASCII digits, no newline)."""
-    return text.isascii() and store.NAME_RE.fullmatch(text) is not None
+def describe(held: Held) -> dict:
+    """The {id, manifest, have} document of a held checkpoint."""
+    return {"id": held.id, "manifest": held.manifest.to_json(), "have": held.have_doc()}
 
 
 def parse_range(header: str, size: int) -> tuple[int, int]:
@@ -164,10 +120,11 @@ def _read_signed(auth: ServerAuth, method: str, path: str, rid: RequestId, fd: i
     return body, auth.sign(method, path, rid, 206, body)
 
 
-def add_checkpoint_routes(app: web.Application, ckroot_of: Callable[[], Path],
-                          auth: ServerAuth, node_id: str,
-                          on_refused: Callable[[], None] | None = None) -> None:
-    """Register GET /v1/checkpoint and GET /v1/checkpoint/{id}/{file} on `app`."""
+
+
+def add_checkpoint_routes(app: web.Application, serving: Serving) -> None:
+    """Register the checkpoint routes (see the module docstring) on `app`."""
+    auth, shelf, bucket = serving.auth, serving.shelf, serving.bucket
 
     def signed_json(request: web.Request, rid: RequestId, status: int, doc: dict,
                     extra: dict[str, str] | None = None) -> web.Response:
@@ -180,8 +137,8 @@ def add_checkpoint_routes(app: web.Application, ckroot_of: Callable[[], Path],
         try:
             rid = auth.verify(request.method, request.path, request.headers, b"")
         except AuthError as exc:
-            if on_refused is not None:
-                on_refused()
+            if serving.on_refused is not None:
+                serving.on_refused()
             return web.json_response({"error": exc.reason}, status=401)
         if request.body_exists:
             return signed_json(request, rid, 400, {"error": "a GET carries no body"})
@@ -191,19 +148,35 @@ def add_checkpoint_routes(app: web.Application, ckroot_of: Callable[[], Path],
         rid = authenticate(request)
         if isinstance(rid, web.Response):
             return rid
-        found = await asyncio.to_thread(latest_own, ckroot_of(), node_id)
-        if found is None:
-            return signed_json(request, rid, 404, {"error": "no checkpoint of ours to serve"})
-        return signed_json(request, rid, 200, {"id": found[0], "manifest": found[1]})
+        held = await asyncio.to_thread(shelf.advertised)
+        if held is None:
+            return signed_json(request, rid, 404, {"error": "no checkpoint held here"})
+        return signed_json(request, rid, 200, describe(held))
+
+    async def one(request: web.Request) -> web.StreamResponse:
+        rid = authenticate(request)
+        if isinstance(rid, web.Response):
+            return rid
+        name = request.match_info["id"]
+        held = await asyncio.to_thread(shelf.find, name) if is_checkpoint_name(name) else None
+        if held is None:
+            return signed_json(request, rid, 404, {"error": "checkpoint not held here"})
+        return signed_json(request, rid, 200, describe(held))
 
     async def respond(request: web.Request, status: int, headers: dict[str, str], size: int,
-                      pieces: Callable[[int], Awaitable[bytes | memoryview]]) -> web.StreamResponse:
+                      pieces: Callable[[int, int], Awaitable[bytes | memoryview]]
+                      ) -> web.StreamResponse:
         resp = web.StreamResponse(status=status, headers=headers)
         resp.content_type = "application/octet-stream"
         resp.content_length = size
         await resp.prepare(request)
-        for start in range(0, size, SLICE):  # a read error from here on drops the connection
-            await resp.write(await pieces(start))
+        step = bucket.slice
+        for start in range(0, size, step):  # a read error from here on drops the connection
+            n = min(step, size - start)
+            await bucket.take(n)
+            await resp.write(await pieces(start, n))
+            if serving.on_served is not None:
+                serving.on_served(n)
         await resp.write_eof()
         return resp
 
@@ -214,27 +187,34 @@ def add_checkpoint_routes(app: web.Application, ckroot_of: Callable[[], Path],
         name, file = request.match_info["id"], request.match_info["file"]
         if file not in SERVED_FILES or not is_checkpoint_name(name):
             return signed_json(request, rid, 404, {"error": "no such checkpoint file"})
-        ckroot = ckroot_of()
-        if await asyncio.to_thread(own_manifest, ckroot, name, node_id) is None:
-            return signed_json(request, rid, 404, {"error": f"no checkpoint {name} of ours"})
-        try:  # name and file were checked above: this path stays inside ckroot
-            fd = os.open(ckroot / name / file, os.O_RDONLY)
+        held = await asyncio.to_thread(shelf.find, name)
+        if held is None:
+            return signed_json(request, rid, 404, {"error": f"checkpoint {name} not held here"})
+        if file == mf.MANIFEST_FILE:
+            body = held.manifest.encode()
+            return web.Response(body=body, content_type="application/json", headers=auth.sign(
+                request.method, request.path, rid, 200, body))
+        try:  # name and file were checked above: this path stays inside the holder's root
+            fd = os.open(held.path / file, os.O_RDONLY)
         except OSError:
             return signed_json(request, rid, 404, {"error": f"{name}/{file} is gone"})
         try:
-            size = os.fstat(fd).st_size
+            size = held.manifest.files[file].size
+            if os.fstat(fd).st_size != size:
+                return signed_json(request, rid, 404, {"error": f"{name}/{file} is gone"})
             range_header = request.headers.get("Range")
             base = {"Accept-Ranges": "bytes"}
             if range_header is None:  # the same open file is MACed, then streamed
+                if not held.complete((file,)):
+                    return signed_json(request, rid, 404, {"error": f"{file} not held whole"})
                 try:
                     mac = await asyncio.to_thread(_whole_file_mac, auth, request.method,
                                                   request.path, rid, fd, size)
                 except (OSError, ValueError) as exc:
                     return signed_json(request, rid, 500, {"error": f"cannot read: {exc}"})
 
-                async def from_disk(start: int) -> bytes | memoryview:
-                    return await asyncio.to_thread(_pread_exact, fd, min(SLICE, size - start),
-                                                   start)
+                async def from_disk(start: int, n: int) -> bytes | memoryview:
+                    return await asyncio.to_thread(_pread_exact, fd, n, start)
 
                 return await respond(request, 200, {**base, **mac}, size, from_disk)
             try:
@@ -242,6 +222,9 @@ def add_checkpoint_routes(app: web.Application, ckroot_of: Callable[[], Path],
             except RangeError as exc:
                 return signed_json(request, rid, 416, {"error": str(exc)},
                                    {**base, "Content-Range": f"bytes */{size}"})
+            if not held.covers(file, first, last):
+                return signed_json(request, rid, 404, {"error": "range not held here"})
+            shelf.touch(name)  # pruning spares a checkpoint being fetched
             try:
                 body, mac = await asyncio.to_thread(_read_signed, auth, request.method,
                                                     request.path, rid, fd, first, last)
@@ -249,12 +232,13 @@ def add_checkpoint_routes(app: web.Application, ckroot_of: Callable[[], Path],
                 return signed_json(request, rid, 500, {"error": f"cannot read: {exc}"})
             headers = {**base, **mac, "Content-Range": f"bytes {first}-{last}/{size}"}
 
-            async def from_memory(start: int) -> bytes | memoryview:
-                return body[start : start + SLICE]
+            async def from_memory(start: int, n: int) -> bytes | memoryview:
+                return body[start : start + n]
 
             return await respond(request, 206, headers, len(body), from_memory)
         finally:
             os.close(fd)
 
     app.router.add_get("/v1/checkpoint", latest, allow_head=False)
+    app.router.add_get("/v1/checkpoint/{id}", one, allow_head=False)
     app.router.add_get("/v1/checkpoint/{id}/{file}", serve_file, allow_head=False)

@@ -1,59 +1,82 @@
-"""Fetching the leader's latest checkpoint: verify everything, resume after a break.
+"""Fetching a checkpoint from every holder at once, verifying every byte, resumable.
 
-The fetcher first learns who serves at the address (hello.py: every request names its
-receiver), then asks `GET /v1/checkpoint` for the newest checkpoint's id and manifest, checks the
-manifest field by field (types, sizes, chunk lists), its Ed25519 signature, that the signing
-key belongs to the leader it names, and (when given) that this is the leader we expect. Then
-it downloads the two data files chunk by chunk, one Range request per manifest chunk, a few
-in flight, and checks each response's MAC and each chunk's xxh3_64 before writing it.
+    fetch_checkpoint(session, [leader, holder, ...], signer, out_root, expected_leader=...)
 
-Rules this file keeps:
-- Every byte from the network is hostile: bodies are read with a cap fixed before reading,
-  JSON is checked for shape and type before use, sizes are bounded before any file is sized.
-- Downloads land in `out_root/.partial-<id>/`: data files are pre-sized and written with
-  positional writes; `progress.json` (replaced atomically) lists the chunks written. After a
-  break, the chunks it lists are hashed again (a crash may have lost unsynced data, which is
-  why it need not be fsynced) and only the others are fetched. A partial of another manifest
-  under the same id is discarded.
-- `out_root/<id>` only ever holds a checkpoint that store.read_manifest accepted: the
-  finished partial is fsynced and verified, then renamed into place and out_root fsynced.
-- One fetch per (out_root, id) at a time; one ClientSession, the caller's; no sleeps (a failed
-  chunk is asked for again at once, up to `chunk_retries` times).
+1. Hello every source (hello.py: every request names its receiver).
+2. The manifest: `GET /v1/checkpoint` of the first source (the leader); if it cannot answer,
+   the newest one any other source holds that the expected leader signed. It is parsed by
+   checkpoint/manifest.py (strict rules, the leader's signature). The other sources are asked
+   `GET /v1/checkpoint/{id}`: the same manifest (by digest), and which chunks they hold.
+3. Chunks, from all sources in parallel (`IN_FLIGHT` requests each, MAX_IN_FLIGHT in all: a
+   chunk in flight is held in memory, 4 MiB, and a Pi has little; while they are all taken,
+   a source at under half the best rate waits): the weights before the
+   optimiser state, rarest first among partial holders, ties broken by a per-fetch random
+   order (concurrent fetchers spread over different chunks and can trade them). A source
+   takes the next chunk as soon as one of its requests ends, so fast links take more (work
+   stealing); at the tail an idle source duplicates a chunk still in flight elsewhere when
+   it would likely finish it sooner, and the first copy to arrive wins. Each answer's MAC and
+   the chunk's xxh3_64 are checked before it is written.
+4. Failures: a transport error, a 5xx or a bad MAC backs the source off (doubling from
+   BACKOFF) and puts the chunk back for anyone; SOURCE_FAILURES in a row drop the source.
+   A source whose authentic answer carries bytes that do not match the manifest is named
+   and dropped at once (its disk rotted, or it lies). "Not held here" (a partial holder)
+   only takes the chunk off that source's list. A chunk that failed `chunk_retries + 1`
+   times, or no source left, ends the fetch with every source's story.
+5. Sources can be added while the fetch runs (`more_sources(digest)`, polled every
+   SOURCE_POLL seconds, names who holds that manifest): fetchers learn of each other by
+   gossip. With a `shelf`, the chunks verified so far are served to other fetchers
+   (swarming), and the finished checkpoint too.
+
+Files: partial.py (resume, progress, the final atomic rename). `files` chooses what to fetch:
+a joiner needs the weights only; `checkpoint fetch` takes both by default.
+
+Every byte from the network is hostile: bodies are read with a cap fixed before reading, JSON
+is checked for shape and type before use, sizes are bounded before any file is sized.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import hashlib
+import contextlib
 import json
-import os
-import shutil
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import xxhash
 from yarl import URL
 
-from p2ptrain.checkpoint import store
-from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
-from p2ptrain.identity import node_id_of, verify_signature
+from p2ptrain.checkpoint import manifest as mf
 from p2ptrain.net.auth import AuthError, Receiver, RequestId, Signer
-from p2ptrain.net.ckptserve import MAX_RANGE, is_checkpoint_name
 from p2ptrain.net.hello import HelloError, hello
+from p2ptrain.net.neterrors import explain
+from p2ptrain.net.partial import (
+    PARTIAL_PREFIX,
+    PartialError,
+    ProgressFile,
+    existing,
+    finish,
+    resume,
+    write_chunk,
+)
+from p2ptrain.net.shelf import Held, Shelf, is_checkpoint_name
 
-MAX_ANSWER_BYTES = 8 * 2**20  # largest GET /v1/checkpoint answer read
+MAX_ANSWER_BYTES = mf.MAX_MANIFEST_BYTES + 2**20  # largest {id, manifest, have} answer read
 MAX_ERROR_BYTES = 64 * 2**10  # largest error body read
-MAX_FILE_BYTES = 256 * 2**30  # largest data file a manifest may announce
-MIN_CHUNK_SIZE = 4096  # smallest chunk size accepted (bounds the number of requests)
-IN_FLIGHT = 3  # chunk requests outstanding at once (the server MACs one while sending another)
-PARTIAL_PREFIX, PROGRESS_FILE = ".partial-", "progress.json"
-DATA_FILES = (store.MODEL_FILE, store.STATE_FILE)
-_MANIFEST_KEYS = frozenset({"format", "step", "term", "leader", "leader_key", "fingerprint",
-                            "arch", "swarm_samples", "swarm_count", "files", "signature"})
-_ENTRY_KEYS = frozenset({"size", "chunk_size", "xxh3_64"})
+IN_FLIGHT = 3  # chunk requests outstanding per source (the server MACs one while sending another)
+MAX_IN_FLIGHT = 12  # chunk requests outstanding in all (each holds a chunk in memory)
+MAX_SOURCES = 32  # sources used at once
+SOURCE_FAILURES = 4  # transient failures in a row that drop a source
+BACKOFF, BACKOFF_MAX = 0.25, 8.0  # s a failing source rests: doubles per failure, up to the max
+REFRESH = 1.0  # s between asking a partial holder which chunks it has now
+SOURCE_POLL = 2.0  # s between looks at `more_sources`
+NOT_HELD_GRACE = 30.0  # s a source that holds none of the checkpoint yet is asked again
+
+__all__ = ["PARTIAL_PREFIX", "FetchError", "Fetched", "NoCheckpoint", "check_answer",
+           "fetch_checkpoint", "fetch_latest"]
 
 
 class FetchError(Exception):
@@ -65,16 +88,15 @@ class NoCheckpoint(FetchError):
 
 
 class _Retry(Exception):
-    """One attempt at a chunk failed in a way the next attempt may not (transport, MAC, hash)."""
+    """One attempt failed in a way the next may not (transport, 5xx, MAC): back off."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Chunk:
-    file: str  # data file name
-    index: int  # chunk number in the manifest
-    offset: int  # first byte in the file
-    length: int  # bytes in this chunk
-    digest: str  # xxh3_64 hex from the manifest
+class _Drop(Exception):
+    """The source must not be asked again (it served wrong bytes, or refused us)."""
+
+
+class _NotHeld(Exception):
+    """The source does not hold that chunk (yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,66 +108,34 @@ class _Conn:
     to: Receiver  # who serves at `base` (from hello)
 
 
-def _is_hex(value: object, length: int) -> bool:
-    return (isinstance(value, str) and len(value) == length
-            and all(c in "0123456789abcdef" for c in value))
+@dataclass(eq=False)
+class Source:
+    """One holder, as this fetch sees it."""
+
+    addr: str
+    conn: _Conn | None = None
+    have: dict[str, set[int]] | None = None  # chunk indices it holds per file; None: all
+    dropped: str = ""  # why it is not asked any more ("" while it is)
+    failures: int = 0  # transient failures in a row
+    retry_at: float = 0.0  # loop time before which it rests
+    refreshed: float = 0.0  # loop time `have` was last asked for
+    chunks: int = 0  # chunks it served us
+    rate: float = 0.0  # bytes/s of one request (moving average)
+    ready: asyncio.Future | None = None  # its hello, for a source added while fetching
+    empty_since: float | None = None  # loop time it was first found to hold none of it
+
+    def holds(self, chunk: mf.Chunk) -> bool:
+        return self.have is None or chunk.index in self.have[chunk.file]
 
 
-def _is_count(value: object) -> bool:
-    return type(value) is int and 0 <= value < 2**63
+@dataclass
+class Fetched:
+    """A finished fetch: where it landed and who served what."""
 
-
-def _check_entry(name: str, entry: object) -> None:
-    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
-        raise FetchError(f"manifest entry of {name} is malformed")
-    size, chunk, digests = entry["size"], entry["chunk_size"], entry["xxh3_64"]
-    if not _is_count(size) or not 0 < size <= MAX_FILE_BYTES:
-        raise FetchError(f"manifest: {name} has an impossible size")
-    if not _is_count(chunk) or not MIN_CHUNK_SIZE <= chunk <= MAX_RANGE:
-        raise FetchError(f"manifest: {name} chunk size out of [{MIN_CHUNK_SIZE}, {MAX_RANGE}]")
-    if not isinstance(digests, list) or len(digests) != -(-size // chunk):
-        raise FetchError(f"manifest: {name} chunk list does not match its size")
-    if not all(_is_hex(d, 16) for d in digests):
-        raise FetchError(f"manifest: {name} has a malformed chunk hash")
-
-
-def check_answer(doc: object) -> tuple[str, dict]:
-    """The (id, manifest) of a GET /v1/checkpoint answer if well-formed and validly signed."""
-    if not isinstance(doc, dict) or set(doc) != {"id", "manifest"}:
-        raise FetchError("checkpoint answer is not an {id, manifest} object")
-    ckid, m = doc["id"], doc["manifest"]
-    if not isinstance(ckid, str) or not is_checkpoint_name(ckid):
-        raise FetchError("checkpoint answer carries a malformed id")
-    if not isinstance(m, dict):
-        raise FetchError("manifest is not an object")
-    if set(m) != _MANIFEST_KEYS:
-        odd = sorted(_MANIFEST_KEYS.symmetric_difference(m))[:3]
-        raise FetchError(f"manifest fields missing or unexpected: {[k[:40] for k in odd]}")
-    if m["format"] != store.FORMAT:
-        raise FetchError(f"manifest is not {store.FORMAT}")
-    if not all(_is_count(m[k]) for k in ("step", "term", "swarm_samples")):
-        raise FetchError("manifest step, term or swarm_samples is not a count")
-    if ckid != store.checkpoint_name(m["term"], m["step"]):
-        raise FetchError(f"id {ckid} does not name the manifest's term and step")
-    if not (_is_hex(m["leader"], 32) and _is_hex(m["leader_key"], 64)
-            and _is_hex(m["signature"], 128)):
-        raise FetchError("manifest leader, key or signature is malformed")
-    if not isinstance(m["fingerprint"], str) or not isinstance(m["arch"], dict):
-        raise FetchError("manifest fingerprint or arch is malformed")
-    counts = m["swarm_count"]
-    if not isinstance(counts, dict) or not all(_is_count(v) for v in counts.values()):
-        raise FetchError("manifest swarm_count is malformed")
-    files = m["files"]
-    if not isinstance(files, dict) or set(files) != set(DATA_FILES):
-        raise FetchError("manifest lists the wrong files")
-    for name in DATA_FILES:
-        _check_entry(name, files[name])
-    key = bytes.fromhex(m["leader_key"])
-    if not verify_signature(key, bytes.fromhex(m["signature"]), store.canonical_bytes(m)):
-        raise FetchError("manifest signature does not verify")
-    if node_id_of(key) != m["leader"]:
-        raise FetchError(f"manifest names leader {m['leader']} but is signed by another key")
-    return ckid, m
+    path: Path
+    manifest: mf.Manifest
+    served: dict[str, int] = field(default_factory=dict)  # source address -> chunks served
+    dropped: dict[str, str] = field(default_factory=dict)  # source address -> why dropped
 
 
 def _reason(body: bytes | memoryview) -> str:
@@ -157,6 +147,47 @@ def _reason(body: bytes | memoryview) -> str:
     if not isinstance(text, str):
         return "no reason given"
     return "".join(c if c.isprintable() and c.isascii() else "?" for c in text[:200])
+
+
+def _printable(text: str, limit: int = 500) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def _parse_have(doc: object, manifest: mf.Manifest) -> dict[str, set[int]] | None:
+    if doc is None:
+        return None
+    if not isinstance(doc, dict) or set(doc) != set(mf.DATA_FILES):
+        raise FetchError("checkpoint answer: `have` is malformed")
+    have: dict[str, set[int]] = {}
+    for name in mf.DATA_FILES:
+        n, runs = len(manifest.files[name].hashes), doc[name]
+        if not isinstance(runs, list) or len(runs) > n:
+            raise FetchError("checkpoint answer: `have` is malformed")
+        got: set[int] = set()
+        for run in runs:
+            if not (isinstance(run, list) and len(run) == 2 and all(type(x) is int for x in run)
+                    and 0 <= run[0] < run[1] <= n):
+                raise FetchError("checkpoint answer: `have` is malformed")
+            got.update(range(run[0], run[1]))
+        have[name] = got
+    return have
+
+
+def check_answer(doc: object) -> tuple[str, mf.Manifest, dict[str, set[int]] | None]:
+    """(id, manifest, have) of a checkpoint answer, if well-formed and validly signed."""
+    if not isinstance(doc, dict) or set(doc) not in ({"id", "manifest"},
+                                                     {"id", "manifest", "have"}):
+        raise FetchError("checkpoint answer is not an {id, manifest, have} object")
+    ckid = doc["id"]
+    if not isinstance(ckid, str) or not is_checkpoint_name(ckid):
+        raise FetchError("checkpoint answer carries a malformed id")
+    try:
+        manifest = mf.parse(doc["manifest"])
+    except mf.ManifestError as exc:
+        raise FetchError(f"manifest refused: {exc}") from None
+    if ckid != manifest.id:
+        raise FetchError(f"id {ckid} does not name the manifest's term and step")
+    return ckid, manifest, _parse_have(doc.get("have"), manifest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +206,7 @@ async def _get(conn: _Conn, path: str, ok_status: int, limit: int, into: bytearr
     rid, headers = conn.signer.sign_request("GET", url.path, to=conn.to)
     if byte_range is not None:
         headers["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
+    where = conn.base.removeprefix("http://")
     try:
         async with conn.session.get(url, headers=headers, timeout=conn.timeout,
                                     allow_redirects=False) as resp:
@@ -191,10 +223,10 @@ async def _get(conn: _Conn, path: str, ok_status: int, limit: int, into: bytearr
                 n += len(piece)
             body, resp_headers = memoryview(buf)[:n], resp.headers
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        raise _Retry(f"transfer failed ({type(exc).__name__}: {exc})".strip()) from None
+        raise _Retry(explain(exc, where)) from None
     if status == 401:
-        raise FetchError(f"the server refused our authentication (401: {_reason(body)}); "
-                         "is this the right swarm key?")
+        raise _Drop(f"{where} refused our authentication (401: {_reason(body)}); is this the "
+                    "right swarm key?")
     return _Answer(rid, url.path, status, resp_headers, body)
 
 
@@ -206,243 +238,421 @@ def _check_mac(signer: Signer, answer: _Answer) -> None:
         raise _Retry(f"answer {answer.status} rejected: {exc.reason}") from None
 
 
-def _check_and_write(signer: Signer, answer: _Answer, chunk: _Chunk, size: int,
+def _check_and_write(signer: Signer, answer: _Answer, chunk: mf.Chunk, size: int,
                      target: Path) -> None:
     """In a worker thread: authenticate one chunk answer, check its hash, write it in place."""
     _check_mac(signer, answer)
     status, headers, body = answer.status, answer.headers, answer.body
     if status == 404:
-        raise FetchError(f"{chunk.file}: no longer served ({_reason(body)})")
+        raise _NotHeld(_reason(body))
     if status >= 500:
         raise _Retry(f"server error {status} ({_reason(body)})")
     if status != 206:
-        raise FetchError(f"{chunk.file}: answer {status} to a range request ({_reason(body)})")
+        raise _Drop(f"answer {status} to a range request ({_reason(body)})")
     last = chunk.offset + chunk.length - 1
     if headers.get("Content-Range") != f"bytes {chunk.offset}-{last}/{size}" \
             or len(body) != chunk.length:
-        raise FetchError(f"{chunk.file}: served range does not match the manifest")
+        raise _Drop(f"{chunk.file}: served range does not match the manifest")
     if xxhash.xxh3_64_hexdigest(body) != chunk.digest:
-        raise _Retry("bytes do not match the manifest hash")
-    fd = os.open(target, os.O_WRONLY)  # opened per chunk: no descriptor outlives a cancel
+        raise _Drop(f"served {chunk.file} chunk {chunk.index} with bytes that do not match "
+                    "the manifest")
+    write_chunk(target, chunk.offset, body)
+
+
+async def _describe(conn: _Conn, ckid: str | None) -> tuple[str, mf.Manifest,
+                                                            dict[str, set[int]] | None]:
+    """What the source holds: its newest checkpoint (`ckid` None) or checkpoint `ckid`."""
+    path = "/v1/checkpoint" if ckid is None else f"/v1/checkpoint/{ckid}"
+    answer = await _get(conn, path, 200, MAX_ANSWER_BYTES, None)
+    _check_mac(conn.signer, answer)
+    if answer.status == 404:
+        raise NoCheckpoint(f"no checkpoint to fetch ({_reason(answer.body)})")
+    if answer.status != 200:
+        raise FetchError(f"answer {answer.status} ({_reason(answer.body)})")
     try:
-        done = 0
-        while done < len(body):
-            done += os.pwrite(fd, body[done:], chunk.offset + done)
-    finally:
-        os.close(fd)
+        doc = json.loads(bytes(answer.body))
+    except (ValueError, RecursionError):
+        raise FetchError("checkpoint answer is not JSON") from None
+    return check_answer(doc)
 
 
-async def _fetch_chunk(conn: _Conn, ckid: str, chunk: _Chunk, size: int, partial: Path,
-                       buf: bytearray, retries: int, stop: list) -> bool:
-    """Fetch, verify and write one chunk; False if the fetch was stopped meanwhile."""
-    path = f"/v1/checkpoint/{ckid}/{chunk.file}"
-    problem = ""
-    for _attempt in range(retries + 1):
-        if stop:
-            return False
+async def _learn(src: Source, manifest: mf.Manifest, now: float) -> None:
+    """Ask `src` which chunks of `manifest` it holds now. A source that holds none of it yet
+    (a fetcher that has only just started) is asked again later, for NOT_HELD_GRACE seconds."""
+    assert src.conn is not None
+    src.refreshed = now
+    try:
+        _, m, have = await _describe(src.conn, manifest.id)
+    except NoCheckpoint:
+        if src.empty_since is None:
+            src.empty_since = now
+        elif now - src.empty_since > NOT_HELD_GRACE:
+            src.dropped = f"held none of it for {NOT_HELD_GRACE:g}s"
+        src.have = {f: set() for f in mf.DATA_FILES}
+        return
+    except _Retry as exc:
+        src.failures += 1
+        src.retry_at = now + min(BACKOFF_MAX, BACKOFF * 2 ** (src.failures - 1))
+        if src.failures >= SOURCE_FAILURES:
+            src.dropped = f"failed {src.failures} times in a row, last: {_printable(str(exc))}"
+        return
+    except (_Drop, FetchError) as exc:
+        src.dropped = _printable(str(exc), 300)
+        return
+    if m.digest != manifest.digest:
+        src.dropped = "holds another manifest under the same id"
+        return
+    src.empty_since, src.have = None, have
+
+
+async def _connect(session: aiohttp.ClientSession, src: Source, signer: Signer,
+                   timeout: float) -> None:
+    base = f"http://{src.addr}"
+    try:
+        to = await hello(session, base, signer, timeout)
+    except HelloError as exc:
+        src.dropped = _printable(str(exc), 300)
+        return
+    src.conn = _Conn(session, base, signer,
+                     aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout),
+                     to)
+
+
+class _Run:
+    """The chunk schedule of one fetch (see the module docstring, steps 3-5)."""
+
+    def __init__(self, manifest: mf.Manifest, files: tuple[str, ...], saved: ProgressFile,
+                 partial: Path, retries: int, progress: Callable[[int, int, int], None] | None,
+                 rng: random.Random):
+        self.manifest, self.partial, self.saved = manifest, partial, saved
+        self.retries, self.progress = retries, progress
+        have = saved.have
+        self.chunks = [c for c in manifest.chunks(files) if c.index not in have[c.file]]
+        order = list(range(len(self.chunks)))
+        rng.shuffle(order)
+        self.rank = {c: (files.index(c.file), r) for c, r in zip(self.chunks, order, strict=True)}
+        self.todo = set(self.chunks)
+        self.inflight: dict[mf.Chunk, dict[Source, tuple[asyncio.Task, float]]] = {}
+        self.failed: dict[mf.Chunk, int] = {}
+        self.sources: list[Source] = []
+        self.total = manifest.size(files)
+        self.done_bytes = self.total - sum(c.length for c in self.chunks)
+        self.error: FetchError | None = None
+        self.workers: set[asyncio.Task] = set()
+        self._event = asyncio.Event()
+        self.slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+    # -- waiting ------------------------------------------------------------------------------
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, seconds: float) -> None:
+        event = self._event
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), max(seconds, 0.0))
+
+    # -- choosing -----------------------------------------------------------------------------
+
+    def usable(self) -> list[Source]:
+        return [s for s in self.sources if not s.dropped and s.conn is not None]
+
+    def _pick(self, src: Source, now: float) -> mf.Chunk | None:
+        partials = [s for s in self.usable() if s.have is not None]
+        best, best_key = None, None
+        for c in self.todo:
+            if c in self.inflight or not src.holds(c):
+                continue
+            rarity = sum(1 for s in partials if c.index in s.have[c.file])  # type: ignore[index]
+            key = (self.rank[c][0], rarity, self.rank[c][1])
+            if best_key is None or key < best_key:
+                best, best_key = c, key
+        if best is not None:
+            return best
+        # the tail: duplicate the longest-running chunk this source would likely finish sooner
+        oldest, oldest_start = None, now
+        for c, holders in self.inflight.items():
+            if src in holders or len(holders) >= 2 or not src.holds(c):
+                continue
+            start = min(t for _, t in holders.values())
+            expected = c.length / src.rate if src.rate > 0 else 0.0
+            if now - start > expected and start < oldest_start:
+                oldest, oldest_start = c, start
+        return oldest
+
+    # -- running ------------------------------------------------------------------------------
+
+    def add(self, src: Source) -> None:
+        self.sources.append(src)
+        if src.conn is not None and not src.dropped:
+            for _ in range(IN_FLIGHT):
+                task = asyncio.ensure_future(self._worker(src))
+                self.workers.add(task)
+                task.add_done_callback(self.workers.discard)
+        self.notify()
+
+    async def _worker(self, src: Source) -> None:
+        loop = asyncio.get_running_loop()
+        while self.todo and not src.dropped and self.error is None:
+            now = loop.time()
+            if now < src.retry_at:
+                await self.wait(src.retry_at - now)
+                continue
+            if self.slots.locked() and self._slow(src):  # leave the slots to faster sources
+                await self.wait(REFRESH)
+                continue
+            async with self.slots:  # bounds the chunks held in memory at once
+                chunk = self._pick(src, loop.time())
+                if chunk is not None:
+                    task = asyncio.ensure_future(self._attempt(src, chunk))
+                    self.inflight.setdefault(chunk, {})[src] = (task, now)
+                    try:
+                        await asyncio.wait({task})
+                    finally:
+                        task.cancel()
+                        holders = self.inflight.get(chunk)
+                        if holders is not None:
+                            holders.pop(src, None)
+                            if not holders:
+                                del self.inflight[chunk]
+            if chunk is None:
+                if src.have is not None and now - src.refreshed >= REFRESH:
+                    await self._refresh(src)
+                else:
+                    await self.wait(REFRESH)
+                continue
+            if task.cancelled():
+                continue  # another source delivered it first
+            exc = task.exception()
+            if exc is None:
+                self._completed(src, chunk, loop.time() - now)
+            else:
+                self._failed(src, chunk, exc, loop.time())
+            self.notify()
+
+    def _slow(self, src: Source) -> bool:
+        """Whether `src` is measured at under half the rate of the fastest source."""
+        best = max((s.rate for s in self.usable()), default=0.0)
+        return 0 < src.rate < best / 2
+
+    async def _attempt(self, src: Source, chunk: mf.Chunk) -> None:
+        conn = src.conn
+        assert conn is not None
+        path = f"/v1/checkpoint/{self.manifest.id}/{chunk.file}"
+        answer = await _get(conn, path, 206, chunk.length, bytearray(chunk.length),
+                            (chunk.offset, chunk.offset + chunk.length - 1))
+        await asyncio.to_thread(_check_and_write, conn.signer, answer, chunk,
+                                self.manifest.files[chunk.file].size, self.partial / chunk.file)
+
+    async def _refresh(self, src: Source) -> None:
+        await _learn(src, self.manifest, asyncio.get_running_loop().time())
+        self.notify()
+
+    def _completed(self, src: Source, chunk: mf.Chunk, seconds: float) -> None:
+        src.failures = 0
+        sample = chunk.length / max(seconds, 1e-6)
+        src.rate = sample if src.rate == 0 else 0.7 * src.rate + 0.3 * sample
+        if chunk not in self.todo:
+            return  # a duplicate finished a moment after the first copy
+        self.todo.discard(chunk)
+        self.saved.add(chunk)
+        src.chunks += 1
+        self.done_bytes += chunk.length
+        for task, _ in self.inflight.get(chunk, {}).values():
+            task.cancel()  # the other copies are not needed any more
+        if self.progress is not None:
+            self.progress(self.done_bytes, self.total, len(self.usable()))
+
+    def _failed(self, src: Source, chunk: mf.Chunk, exc: BaseException, now: float) -> None:
+        where = f"{src.addr}"
+        if isinstance(exc, _NotHeld):
+            if src.have is None:
+                src.dropped = f"no longer holds it ({_printable(str(exc), 200)})"
+            else:
+                src.have[chunk.file].discard(chunk.index)
+            return
+        if isinstance(exc, _Drop):
+            src.dropped = _printable(str(exc), 300)
+            return
+        if not isinstance(exc, _Retry):
+            self.error = FetchError(f"{where}: {type(exc).__name__}: {exc}")
+            raise exc
+        src.failures += 1
+        src.retry_at = now + min(BACKOFF_MAX, BACKOFF * 2 ** (src.failures - 1))
+        if src.failures >= SOURCE_FAILURES:
+            src.dropped = f"failed {src.failures} times in a row, last: {_printable(str(exc))}"
+        self.failed[chunk] = self.failed.get(chunk, 0) + 1
+        if self.failed[chunk] > self.retries:
+            self.error = FetchError(f"{chunk.file} chunk {chunk.index}: {_printable(str(exc))} "
+                                    f"({self.failed[chunk]} attempts)")
+
+    def stories(self) -> str:
+        return "; ".join(f"{s.addr}: {s.dropped}" for s in self.sources if s.dropped)
+
+    async def run(self, more: Callable[[str], Iterable[str]] | None,
+                  connect: Callable[[str], Source]) -> None:
+        """Until every chunk is in, or the fetch cannot go on (FetchError)."""
+        loop = asyncio.get_running_loop()
+        polled = loop.time()
+        pending: set[asyncio.Task] = set()
         try:
-            answer = await _get(conn, path, 206, chunk.length, buf,
-                                (chunk.offset, chunk.offset + chunk.length - 1))
-            await asyncio.to_thread(_check_and_write, conn.signer, answer, chunk, size,
-                                    partial / chunk.file)
-            return True
-        except _Retry as exc:
-            problem = str(exc)
-    raise FetchError(f"{chunk.file} chunk {chunk.index}: {problem} ({retries + 1} attempts)")
-
-
-def _chunks(manifest: dict) -> list[_Chunk]:
-    out = []
-    for name in DATA_FILES:
-        entry = manifest["files"][name]
-        size, step = entry["size"], entry["chunk_size"]
-        for i, digest in enumerate(entry["xxh3_64"]):
-            out.append(_Chunk(name, i, i * step, min(step, size - i * step), digest))
-    return out
-
-
-def _write_progress(partial: Path, doc: dict) -> None:
-    tmp = partial / f".{PROGRESS_FILE}.tmp"
-    tmp.write_bytes(json.dumps(doc, separators=(",", ":")).encode())
-    os.replace(tmp, partial / PROGRESS_FILE)  # atomic; durability is not needed (see above)
-
-
-class _ProgressFile:
-    """The chunks written so far, saved by one background writer that coalesces updates (a
-    rename costs milliseconds on ext4, too much to pay in the event loop for every chunk)."""
-
-    def __init__(self, partial: Path, tag: str, done: set[_Chunk]):
-        self.partial, self.tag, self.done = partial, tag, done
-        self._dirty, self._writer = False, None
-
-    def add(self, chunk: _Chunk) -> None:
-        self.done.add(chunk)
-        self._dirty = True
-        if self._writer is None:
-            self._writer = asyncio.ensure_future(self._write())
-
-    async def _write(self) -> None:
-        try:
-            while self._dirty:
-                self._dirty = False
-                doc = {"manifest": self.tag, "done": {
-                    n: sorted(c.index for c in self.done if c.file == n) for n in DATA_FILES}}
-                await asyncio.to_thread(_write_progress, self.partial, doc)
+            while self.todo:
+                if self.error is not None:
+                    raise self.error
+                if not self.usable() and not pending and not self.workers:
+                    raise FetchError(f"no holder left to fetch from ({self.stories()})")
+                if more is not None and loop.time() - polled >= SOURCE_POLL:
+                    polled = loop.time()
+                    known = {s.addr for s in self.sources}
+                    for addr in list(dict.fromkeys(more(self.manifest.digest)))[:MAX_SOURCES]:
+                        if addr not in known and len(self.sources) < MAX_SOURCES:
+                            task = asyncio.ensure_future(self._join(connect(addr)))
+                            pending.add(task)
+                            task.add_done_callback(pending.discard)
+                await self.wait(SOURCE_POLL if more is not None else REFRESH)
+            if self.error is not None:
+                raise self.error
         finally:
-            self._writer = None
+            for task in (*self.workers, *pending):
+                task.cancel()
+            await asyncio.gather(*self.workers, *pending, return_exceptions=True)
+            await self.saved.flush()
 
-    async def flush(self) -> None:
-        """Return once the file lists every chunk added so far."""
-        while self._writer is not None:
-            await self._writer
+    async def _join(self, src: Source) -> None:
+        """A source found while fetching: connect, learn what it holds, put it to work."""
+        if src.ready is not None:
+            await src.ready
+        if src.conn is not None and not src.dropped:
+            await _learn(src, self.manifest, asyncio.get_running_loop().time())
+        self.add(src)
 
 
-def _resume(partial: Path, tag: str, manifest: dict, chunks: list[_Chunk]) -> set[_Chunk]:
-    """In a worker thread: the chunks already in `partial` whose bytes still hash right."""
+async def fetch_checkpoint(session: aiohttp.ClientSession, sources: list[str], signer: Signer,
+                           out_root: Path, *, expected_leader: str | None,
+                           files: tuple[str, ...] = mf.DATA_FILES,
+                           progress: Callable[[int, int, int], None] | None = None,
+                           more_sources: Callable[[str], Iterable[str]] | None = None,
+                           shelf: Shelf | None = None, chunk_retries: int = 8,
+                           timeout: float = 60, seed: int | None = None) -> Fetched:
+    """Fetch the newest checkpoint of `expected_leader` (None: whatever sources[0] serves)
+    from `sources` (addresses, the leader's first) into `out_root`; see the module docstring.
+    `progress(bytes_done, bytes_total, sources_in_use)` is called as chunks arrive."""
+    if not sources:
+        raise FetchError("no source to fetch a checkpoint from")
+    if not set(files) <= set(mf.DATA_FILES) or mf.MODEL_FILE not in files:
+        raise ValueError("files must include the weights and name only data files")
     try:
-        doc = json.loads((partial / PROGRESS_FILE).read_bytes())
-        listed = {(n, i) for n in DATA_FILES for i in doc["done"][n] if type(i) is int}
-        if doc["manifest"] != tag:
-            raise ValueError("another manifest")
-    except (OSError, ValueError, TypeError, KeyError, RecursionError):
-        shutil.rmtree(partial, ignore_errors=True)  # unusable or of another checkpoint
-        listed = set()
-    total = sum(manifest["files"][n]["size"] for n in DATA_FILES)
-    if not partial.is_dir():
-        free = shutil.disk_usage(partial.parent).free
-        if free < total:
-            raise FetchError(f"needs {total} bytes of disk, {free} free")
-        partial.mkdir()
-    for name in DATA_FILES:
-        fd = os.open(partial / name, os.O_RDWR | os.O_CREAT, 0o644)
+        return await _fetch(session, list(dict.fromkeys(sources))[:MAX_SOURCES], signer,
+                            out_root, expected_leader, files, progress, more_sources, shelf,
+                            chunk_retries, timeout, seed)
+    except (FetchError, PartialError, OSError) as exc:
+        where = f"{out_root}: " if isinstance(exc, OSError) else ""
+        text = _printable(f"{where}{exc}")  # one line, whatever a peer sent
+        kind = NoCheckpoint if isinstance(exc, NoCheckpoint) else FetchError
+        raise kind(f"checkpoint fetch from {sources[0]}: {text}") from None
+
+
+async def _manifest(srcs: list[Source], expected: str | None
+                    ) -> tuple[mf.Manifest, Source | None]:
+    """The manifest to fetch, and the source that gave it (see step 2)."""
+    reasons: list[str] = []
+    none_held = True
+    for i, src in enumerate(srcs):
+        if src.conn is None:
+            reasons.append(f"{src.addr}: {src.dropped}")
+            none_held = False
+            continue
         try:
-            if os.fstat(fd).st_size != manifest["files"][name]["size"]:
-                os.ftruncate(fd, manifest["files"][name]["size"])
-        finally:
-            os.close(fd)
-    good = set()
-    for name in DATA_FILES:
-        with open(partial / name, "rb") as f:
-            for c in chunks:
-                if c.file == name and (name, c.index) in listed:
-                    f.seek(c.offset)
-                    if xxhash.xxh3_64_hexdigest(f.read(c.length)) == c.digest:
-                        good.add(c)
-    return good
+            _, manifest, have = await _describe(src.conn, None)
+        except NoCheckpoint as exc:
+            reasons.append(f"{src.addr}: {exc}")
+            continue
+        except (_Retry, _Drop, FetchError) as exc:
+            reasons.append(f"{src.addr}: {exc}")
+            none_held = False
+            continue
+        if expected is not None and manifest.leader != expected:
+            reasons.append(f"{src.addr}: manifest signed by {manifest.leader}, not the leader "
+                           f"{expected}")
+            none_held = False
+            continue
+        src.have = have
+        if i == 0 or len(srcs) == 1:
+            return manifest, src
+        # the leader could not answer: the newest the leader signed that anyone holds
+        best, best_src = manifest, src
+        for other in srcs[i + 1 :]:
+            if other.conn is None:
+                continue
+            with contextlib.suppress(_Retry, _Drop, FetchError):
+                _, m, h = await _describe(other.conn, None)
+                if m.leader == manifest.leader and (m.term, m.step) > (best.term, best.step):
+                    best, best_src = m, other
+                    other.have = h
+        return best, best_src
+    kind = NoCheckpoint if none_held else FetchError
+    raise kind("; ".join(_printable(r, 300) for r in reasons))
 
 
-def _finish(partial: Path, final: Path, manifest: dict) -> None:
-    """In a worker thread: make `partial` durable, verify it, rename it to `final`."""
-    atomic_write_bytes(partial / store.MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
-    for name in DATA_FILES:
-        fd = os.open(partial / name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    for leftover in (PROGRESS_FILE, f".{PROGRESS_FILE}.tmp"):
-        (partial / leftover).unlink(missing_ok=True)
-    fsync_dir(partial)
+async def _fetch(session, addrs: list[str], signer: Signer, out_root: Path,
+                 expected: str | None, files: tuple[str, ...], progress, more, shelf,
+                 retries: int, timeout: float, seed: int | None) -> Fetched:
+    srcs = [Source(a) for a in addrs]
+    await asyncio.gather(*(_connect(session, s, signer, timeout) for s in srcs))
+    if len(srcs) == 1 and srcs[0].conn is None:
+        raise FetchError(srcs[0].dropped)
+    manifest, giver = await _manifest(srcs, expected)
+    out_root.mkdir(parents=True, exist_ok=True)
+    final, partial = out_root / manifest.id, out_root / f"{PARTIAL_PREFIX}{manifest.id}"
+    if await asyncio.to_thread(existing, final, manifest, files):
+        return Fetched(final, manifest)
+
+    now = asyncio.get_running_loop().time()
+    await asyncio.gather(*(_learn(s, manifest, now) for s in srcs  # step 2: what others hold
+                           if s is not giver and s.conn is not None))
+
+    have = await asyncio.to_thread(resume, partial, manifest, files)
+    saved = ProgressFile(partial, manifest.digest, have)
+    held = Held(partial, manifest, have)
+    if shelf is not None:
+        shelf.register(held)
+    rng = random.Random(seed if seed is not None else f"{signer.node_id}{time.time_ns()}")
+    run = _Run(manifest, files, saved, partial, retries, progress, rng)
+    loop = asyncio.get_running_loop()
+    for src in srcs:
+        src.refreshed = loop.time()
+        run.add(src)
+
+    def connect(addr: str) -> Source:
+        src = Source(addr)
+        src.ready = asyncio.ensure_future(_connect(session, src, signer, timeout))
+        return src
+
     try:
-        if store.read_manifest(partial) != manifest:
-            raise store.CheckpointError("manifest on disk differs from the one fetched")
-    except store.CheckpointError as exc:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise FetchError(f"the downloaded checkpoint does not verify: {exc}") from None
-    old = final.with_name(f".old-{final.name}-{os.getpid()}") if final.exists() else None
-    if old is not None:  # same id, other content: the leader rewrote it
-        os.rename(final, old)
-    os.rename(partial, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _existing(final: Path, manifest: dict) -> bool:
-    try:
-        return final.is_dir() and store.read_manifest(final) == manifest
-    except store.CheckpointError:
-        return False
+        await run.run(more, connect)
+        await asyncio.to_thread(finish, partial, final, manifest, files)
+    except BaseException:
+        if shelf is not None:
+            shelf.unregister(held)
+        raise
+    whole = None if files == mf.DATA_FILES else {
+        f: set(range(len(manifest.files[f].hashes))) if f in files else set()
+        for f in mf.DATA_FILES}
+    if shelf is not None:
+        shelf.register(Held(final, manifest, whole))
+    return Fetched(final, manifest, {s.addr: s.chunks for s in run.sources},
+                   {s.addr: s.dropped for s in run.sources if s.dropped})
 
 
 async def fetch_latest(session: aiohttp.ClientSession, base_url: str, signer: Signer,
                        out_root: Path, *, expected_leader: str | None,
                        progress: Callable[[int, int], None] | None = None,
                        chunk_retries: int = 5, timeout: float = 60) -> Path:
-    """Fetch the newest checkpoint served at `base_url` into `out_root`; its directory."""
-    base = base_url.rstrip("/")
-    try:
-        to = await hello(session, base, signer, timeout)
-    except HelloError as exc:
-        raise FetchError(f"checkpoint fetch from {base_url}: {exc}") from None
-    conn = _Conn(session, base, signer,
-                 aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout), to)
-    try:
-        return await _fetch(conn, out_root, expected_leader, progress, chunk_retries)
-    except (FetchError, OSError) as exc:
-        where = "" if isinstance(exc, FetchError) else f"{out_root}: "
-        text = " ".join(f"{where}{exc}".split())[:500]  # one line, whatever a peer sent
-        kind = NoCheckpoint if isinstance(exc, NoCheckpoint) else FetchError
-        raise kind(f"checkpoint fetch from {base_url}: {text}") from None
-
-
-async def _fetch(conn: _Conn, out_root: Path, expected_leader: str | None,
-                 progress: Callable[[int, int], None] | None, retries: int) -> Path:
-    try:
-        answer = await _get(conn, "/v1/checkpoint", 200, MAX_ANSWER_BYTES, None)
-        _check_mac(conn.signer, answer)
-    except _Retry as exc:
-        raise FetchError(str(exc)) from None
-    status, body = answer.status, answer.body
-    if status == 404:
-        raise NoCheckpoint(f"no checkpoint to fetch ({_reason(body)})")
-    if status != 200:
-        raise FetchError(f"answer {status} ({_reason(body)})")
-    try:
-        doc = json.loads(bytes(body))
-    except (ValueError, RecursionError):
-        raise FetchError("checkpoint answer is not JSON") from None
-    ckid, manifest = check_answer(doc)
-    if expected_leader is not None and manifest["leader"] != expected_leader:
-        raise FetchError(f"manifest signed by {manifest['leader']}, not the leader "
-                         f"{expected_leader}")
-    out_root.mkdir(parents=True, exist_ok=True)
-    final, partial = out_root / ckid, out_root / f"{PARTIAL_PREFIX}{ckid}"
-    if await asyncio.to_thread(_existing, final, manifest):
-        return final
-    tag = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
-    chunks = _chunks(manifest)
-    done = await asyncio.to_thread(_resume, partial, tag, manifest, chunks)
-    sizes = {n: manifest["files"][n]["size"] for n in DATA_FILES}
-    total, done_bytes = sum(sizes.values()), sum(c.length for c in done)
-    queue = collections.deque(c for c in chunks if c not in done)
-    stop: list[BaseException] = []  # the first failure; workers finish their chunk and stop
-    saved = _ProgressFile(partial, tag, done)
-
-    async def worker(buf: bytearray) -> None:
-        nonlocal done_bytes
-        while queue and not stop:
-            chunk = queue.popleft()
-            try:
-                if not await _fetch_chunk(conn, ckid, chunk, sizes[chunk.file], partial, buf,
-                                          retries, stop):
-                    return
-                saved.add(chunk)
-                done_bytes += chunk.length
-                if progress is not None:
-                    progress(done_bytes, total)
-            except Exception as exc:  # re-raised below, once every worker has stopped
-                stop.append(exc)
-                return
-
-    if queue:
-        longest = max(c.length for c in queue)
-        try:
-            await asyncio.gather(*(worker(bytearray(longest))
-                                   for _ in range(min(IN_FLIGHT, len(queue)))))
-        finally:
-            await saved.flush()
-    if stop:
-        raise stop[0]
-    await asyncio.to_thread(_finish, partial, final, manifest)
-    return final
+    """Fetch the newest checkpoint served at `base_url` (one source) into `out_root`."""
+    addr = base_url.rstrip("/").removeprefix("http://")
+    report = None if progress is None else (lambda done, total, _n: progress(done, total))
+    fetched = await fetch_checkpoint(session, [addr], signer, out_root,
+                                     expected_leader=expected_leader, progress=report,
+                                     chunk_retries=chunk_retries, timeout=timeout, seed=0)
+    return fetched.path

@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from p2ptrain.net.auth import AuthError, Receiver, ServerAuth, Signer, VersionError
+from p2ptrain.net.neterrors import explain
 from p2ptrain.proto import PROTOCOL_VERSION
 
 HELLO = "/v1/hello"
@@ -78,7 +79,7 @@ async def _hello(session: aiohttp.ClientSession, base: str, signer: Signer, key:
             body = await resp.content.read(MAX_ANSWER + 1)
             status, headers = resp.status, resp.headers
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        raise HelloError(f"hello to {base} failed ({type(exc).__name__}: {exc})") from None
+        raise HelloError(explain(exc, base.removeprefix("http://"))) from None
     if status in (404, 405):
         raise HelloError(f"{base} does not answer {HELLO}: it runs an older p2ptrain (protocol "
                          f"1); this node speaks protocol {PROTOCOL_VERSION}")

@@ -2,9 +2,12 @@
 `CheckpointFetched`. The decisions -- when to fetch, from whom, whether to adopt, when to try
 again -- are the sans-IO node's (p2ptrain/proto/joining.py); this file only moves bytes.
 
-A fetch lands in `<state dir>/fetched/` (verified chunk by chunk, resumable: a partial download
-of the same checkpoint is continued by the next attempt). When the join is over, partial
-downloads and all but the newest fetched checkpoint are removed. A driver: I/O is allowed.
+A join fetches the weights only (a joiner starts fresh optimiser moments) from every source
+the node named -- the leader and the members that advertise the same checkpoint -- plus any
+that start advertising it while the fetch runs (`holders`). It lands in
+`<state dir>/fetched/`, verified chunk by chunk, resumable, and is served to later joiners
+from its first verified chunk (the shelf). When the join is over, partial downloads and all
+but the newest fetched checkpoint are removed. A driver: I/O is allowed.
 """
 
 from __future__ import annotations
@@ -14,16 +17,19 @@ import shutil
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from p2ptrain import checkpoint
 from p2ptrain.net.auth import Signer
-from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, NoCheckpoint, fetch_latest
-from p2ptrain.proto import CheckpointFetched, FetchCheckpoint
+from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, NoCheckpoint, fetch_checkpoint
+from p2ptrain.net.fetchprogress import FetchProgress
+from p2ptrain.net.shelf import Shelf
+from p2ptrain.proto import CheckpointFetched, FetchCheckpoint, Holding, Holds
 
 if TYPE_CHECKING:
+    from p2ptrain.learner import Learner
     from p2ptrain.report import Reporter
 
 FETCHED_DIR = "fetched"  # under the state dir: checkpoints fetched from leaders
@@ -31,17 +37,44 @@ FETCH_DEADLINE = 600.0  # s for one join-time fetch (a stalled leader cannot hol
 
 
 class JoinFetcher:
-    """Runs one join-time fetch at a time; `answer(CheckpointFetched)` gets its outcome."""
+    """Runs one join-time fetch at a time; `answer(CheckpointFetched)` gets its outcome. Also
+    tells the node what this node holds (`answer(Holds)`) whenever the shelf changes."""
 
     def __init__(self, session: aiohttp.ClientSession, signer: Signer, state_dir: Path,
-                 fingerprint: str, io: Executor, answer: Callable[[CheckpointFetched], None],
-                 reporter: Reporter, judge: Callable[[Path], tuple[float, float]]):
-        self.session, self.signer, self.io = session, signer, io
+                 fingerprint: str, io: Executor, answer: Callable[[Any], Any],
+                 reporter: Reporter, judge: Callable[[Path], tuple[float, float]],
+                 shelf: Shelf, holders: Callable[[str, str], list[str]]):
+        self.session, self.signer, self.io, self.shelf = session, signer, io, shelf
+        self.holders = holders  # (leader, digest) -> addresses of members that hold it
         self.judge = judge  # path -> (its held-out loss on a fixed batch, our replica's)
         self.root = state_dir / FETCHED_DIR
         self.fingerprint, self.answer, self.reporter = fingerprint, answer, reporter
-        self.manifests: dict[str, dict] = {}  # path -> manifest of what was fetched
+        self.manifests: dict[str, checkpoint.Manifest] = {}  # path -> what was fetched
         self.task: asyncio.Task | None = None
+        self.loop = asyncio.get_running_loop()
+        self.advertising: asyncio.Task | None = None
+        self.told: Holding | None = None  # what the node was last told we hold
+        shelf.changed = self.advertise_soon
+
+    def advertise_soon(self) -> None:
+        """The shelf changed (any thread): tell the node what we hold, from the event loop."""
+        self.loop.call_soon_threadsafe(self._advertise)
+
+    def readvertise(self) -> None:
+        self.told = None
+        self.advertise_soon()
+
+    def _advertise(self) -> None:
+        if self.advertising is None or self.advertising.done():
+            self.advertising = self.loop.create_task(self._tell())
+
+    async def _tell(self) -> None:
+        held = await self.loop.run_in_executor(self.io, self.shelf.advertised)
+        m = None if held is None else held.manifest
+        holding = None if m is None else Holding(m.term, m.step, m.swarm_samples, m.digest)
+        if holding != self.told:
+            self.told = holding
+            self.answer(Holds(holding))
 
     def start(self, action: FetchCheckpoint) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run(action))
@@ -50,36 +83,55 @@ class JoinFetcher:
         self.answer(await self._fetch(action))
 
     async def _fetch(self, action: FetchCheckpoint) -> CheckpointFetched:
-        addr = action.sources[0]
-        self.reporter.info(f"fetching the leader's checkpoint from {addr} (attempt "
-                           f"{action.attempt})", event="fetching", leader=action.leader,
-                           addr=addr, attempt=action.attempt)
+        sources = list(action.sources)
+        others = f" and {len(sources) - 1} other holders" if len(sources) > 1 else ""
+        self.reporter.info(f"fetching the leader's checkpoint from {sources[0]}{others} "
+                           f"(attempt {action.attempt})", event="fetching",
+                           leader=action.leader, addr=sources[0], sources=len(sources),
+                           attempt=action.attempt)
+        bar = FetchProgress("fetching the leader's checkpoint", say=lambda text: self.reporter.info(
+            text, event="fetch_progress"))
         try:
-            path = await asyncio.wait_for(
-                fetch_latest(self.session, f"http://{addr}", self.signer, self.root,
-                             expected_leader=action.leader), FETCH_DEADLINE)
-            manifest = await asyncio.get_running_loop().run_in_executor(
-                self.io, checkpoint.read_manifest, path)
+            fetched = await asyncio.wait_for(
+                fetch_checkpoint(self.session, sources, self.signer, self.root,
+                                 expected_leader=action.leader, files=(checkpoint.MODEL_FILE,),
+                                 progress=bar, shelf=self.shelf,
+                                 more_sources=lambda digest: self.holders(action.leader,
+                                                                          digest)),
+                FETCH_DEADLINE)
         except NoCheckpoint as exc:
             return CheckpointFetched(None, reason=str(exc), retry=False)
         except FetchError as exc:
             reason = str(exc)
         except TimeoutError:
             reason = f"the checkpoint did not arrive within {FETCH_DEADLINE:g}s"
-        except checkpoint.CheckpointError as exc:
-            reason = f"the fetched checkpoint is unusable ({exc})"
         else:
-            if manifest.get("fingerprint") != self.fingerprint:
+            manifest, path = fetched.manifest, fetched.path
+            if manifest.fingerprint != self.fingerprint:
                 return CheckpointFetched(None, reason="the leader's checkpoint is of another "
                                          "model", retry=False)
+            for addr, why in fetched.dropped.items():
+                self.reporter.warn(f"checkpoint source {addr} dropped: {why}",
+                                   event="fetch_source_dropped", addr=addr)
             self.manifests[str(path)] = manifest
             loss, own = await asyncio.get_running_loop().run_in_executor(self.io, self.judge,
                                                                          path)
-            return CheckpointFetched(str(path), int(manifest["swarm_samples"]), loss=loss,
-                                     own_loss=own, counts=dict(manifest["swarm_count"]))
+            return CheckpointFetched(str(path), manifest.swarm_samples, loss=loss,
+                                     own_loss=own, counts=manifest.swarm_count)
+        finally:
+            bar.close()
         self.reporter.warn(f"checkpoint fetch failed: {reason}", event="fetch_failed",
                            attempt=action.attempt)
         return CheckpointFetched(None, reason=reason, retry=True)
+
+    def adopt(self, path: str, learner: Learner) -> None:
+        """Load a fetched checkpoint's weights now (the node decided they are newer)."""
+        try:
+            learner.restore(Path(path), self.manifests[path], with_state=False,
+                            with_count=False)  # the node merged the bounded counter
+        except checkpoint.CheckpointError as exc:
+            self.reporter.warn(f"cannot load the fetched checkpoint ({exc}); training from the "
+                               f"local weights", event="adopt_failed")
 
     def clean(self) -> None:
         """The join is over: drop partial downloads and all but the newest checkpoint."""
@@ -91,6 +143,7 @@ class JoinFetcher:
             shutil.rmtree(old, ignore_errors=True)
 
     def cancel(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
+        for task in (self.task, self.advertising):
+            if task is not None:
+                task.cancel()
 

@@ -88,6 +88,10 @@ class NodeCollector:
             if key.startswith("refused_") and _number(value) is not None:
                 refused.add_metric([key[len("refused_"):]], value)
         yield refused
+        served = _number((doc.get("runtime") or {}).get("served_bytes", 0))
+        yield CounterMetricFamily("p2ptrain_checkpoint_served_bytes", "checkpoint bytes this "
+                                  "node served to fetchers (also under the upload cap)",
+                                  value=served or 0.0)
 
     def _peers(self, doc: dict[str, Any]):
         rtt = GaugeMetricFamily("p2ptrain_peer_rtt_seconds", "probe round trip to a member",

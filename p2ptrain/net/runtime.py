@@ -33,7 +33,7 @@ from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.identity import load_or_create
 from p2ptrain.net.auth import ServerAuth, Signer
 from p2ptrain.net.discovery import advertised_address, seed_loop, start_mdns
-from p2ptrain.net.joinflow import JoinFetcher
+from p2ptrain.net.joinflow import FETCHED_DIR, JoinFetcher
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.progress import every_second, progress_loop, say_leader, say_membership
@@ -41,6 +41,7 @@ from p2ptrain.net.reachability import Reachability
 from p2ptrain.net.rotation import keyring_of
 from p2ptrain.net.saving import Saver, read_term, record_term
 from p2ptrain.net.server import Limits, Served, build_app, listen
+from p2ptrain.net.shelf import Shelf, shelved
 from p2ptrain.net.steps import Stepper
 from p2ptrain.proto import LeaderChanged, Node, Send, wire
 from p2ptrain.report import Reporter, human_count
@@ -75,8 +76,8 @@ class Runtime:
     def now(self) -> float:
         return self.loop.time() - self.t0
 
-    def count(self, what: str) -> None:
-        self.stats[what] = self.stats.get(what, 0) + 1
+    def count(self, what: str, n: int = 1) -> None:
+        self.stats[what] = self.stats.get(what, 0) + n
 
     @property
     def node_id(self) -> str:
@@ -142,7 +143,7 @@ class Runtime:
             elif kind is proto.FetchCheckpoint:
                 self.fetcher.start(action)
             elif kind is proto.AdoptCheckpoint:
-                self._adopt(action.path)
+                self.fetcher.adopt(action.path, self.learner)
             elif kind is proto.Joined:
                 self._joined(action.reason)
             elif kind in (proto.MemberUp, proto.MemberDown, proto.Refused, proto.Offender):
@@ -198,19 +199,13 @@ class Runtime:
         bound = self.plan.stop_reason(self.now(), self.learner.step)  # --steps is exact
         self.steps.start(step, hold=self._stop.is_set() or bound is not None)
 
+    def _holders(self, leader: str, digest: str) -> list[str]:
+        return list(self.node.sources_of(leader, digest)) if self.node else []
+
     def _joined(self, why: str) -> None:
         self.fetcher.clean()  # partial downloads, older fetched checkpoints
         self.reporter.info(f"training starts at step {self.learner.step}: {why}",
                            event="training_starts", reason=why)
-
-    def _adopt(self, path: str) -> None:
-        """Load a fetched checkpoint's weights now (the node decided they are newer)."""
-        try:
-            self.learner.restore(Path(path), self.fetcher.manifests[path], with_state=False,
-                                 with_count=False)  # the node merged the bounded counter
-        except checkpoint.CheckpointError as exc:
-            self.reporter.warn(f"cannot load the fetched checkpoint ({exc}); training from the "
-                               f"local weights", event="adopt_failed")
 
     def _step_failed(self, exc: BaseException) -> None:
         self.reporter.warn(f"training step failed: {exc!r}", event="step_failed")
@@ -269,6 +264,7 @@ class Runtime:
         self.me = dataclasses.replace(self.me, outbound_only=True)
         self.steps.parked = None  # the old node's step; the new node asks for its own
         self.node = self._make_node(joined=old.join.done)
+        self.fetcher.readvertise()  # the new node knows nothing of what we hold
         for state, _, info in old.control.members().values():
             if state == "alive":
                 self.handle(proto.Discovered(info.addr))
@@ -302,8 +298,9 @@ class Runtime:
         self.io_pool = ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-io")
         self.steps = Stepper(self.learner, self.step_pool, self.plan, self.now,
                              self._step_done, self._step_failed)
-        write = functools.partial(checkpoint.save, self.ckroot, identity=self.identity,
-                                  keep=self.settings.checkpoint.keep)
+        self.shelf = Shelf(lambda: [self.ckroot, self.state_dir / FETCHED_DIR])
+        write = shelved(functools.partial(checkpoint.save, self.ckroot, identity=self.identity,
+                                          keep=self.settings.checkpoint.keep), self.shelf)
         self.saver = Saver(self.learner, write, self.io_pool, self.now, reporter, self.count,
                            env_fault_hook(reporter), self.plan)
         keys = keyring_of(self.swarm, self.settings.swarm, self.state_dir, reporter)
@@ -316,7 +313,7 @@ class Runtime:
         self.t0 = self.loop.time()
         self._setup(reporter)
         app = build_app(Served(self, self.auth, self.bucket, net.open_routes, Limits.of(net)),
-                        lambda: self.ckroot)
+                        self.shelf)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                                shutdown_timeout=min(5.0, self.settings.host.grace_seconds / 4))
         await runner.setup()
@@ -332,8 +329,8 @@ class Runtime:
                                       self.settings.node, net.refused_seconds, self.request_stop)
             self.fetcher = JoinFetcher(self.outbox.session, self.signer, self.state_dir,
                                        self.learner.fingerprint, self.io_pool,
-                                       lambda event: self.handle(event), reporter,
-                                       self.learner.judge_checkpoint)
+                                       self.handle, reporter, self.learner.judge_checkpoint,
+                                       self.shelf, self._holders)
             self.node = self._make_node()
             reporter.info(f"node {self.node_id[:12]} listening on {net.bind}:{port}, "
                           f"advertised as {addr}, swarm {self.swarm.name!r} "
@@ -349,11 +346,11 @@ class Runtime:
                                              not net.outbound_only, found, warn,
                                              self.signer.keys.accepts_swarm_id)
             self.handle(proto.Tick())
+            self.fetcher.advertise_soon()  # what we hold from earlier runs
             tasks = [self.loop.create_task(seed_loop(seeds, addr, found, warn)),
                      self.loop.create_task(every_second(self._check_reachability)),
                      self.loop.create_task(progress_loop(self.settings.log.every_seconds,
-                                                         self.status, self.now, reporter)),
-]
+                                                         self.status, self.now, reporter))]
             await self._stop.wait()
             for task in tasks:
                 task.cancel()

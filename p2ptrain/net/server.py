@@ -41,7 +41,6 @@ import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from itertools import count as counter
-from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -54,6 +53,7 @@ from p2ptrain.net.gate import GATE, ConnLimits, GatedSite, quiet_logs, track_req
 from p2ptrain.net.hello import add_hello_route
 from p2ptrain.net.pacing import TokenBucket, paced
 from p2ptrain.net.routes import MAX_REPLY, ROUTES, MiB
+from p2ptrain.net.shelf import Shelf
 from p2ptrain.proto import RemoteProtocolError, wire
 
 BULK_PATHS = ("/v1/gossip", "/v1/average")
@@ -83,8 +83,8 @@ class Host(Protocol):
 
     node_id: str
 
-    def count(self, what: str) -> None:
-        """Count one event (refused requests) in the node's statistics."""
+    def count(self, what: str, n: int = 1) -> None:
+        """Count `n` events (refused requests, bytes served) in the node's statistics."""
 
     def deliver(self, envelope: Any, remote: str, sender: str, size: int
                 ) -> tuple[int, list[bytes], str]:
@@ -334,7 +334,7 @@ async def _index(request: web.Request) -> web.Response:
     return web.Response(text=dashboard.PAGE, content_type="text/html", charset="utf-8")
 
 
-def build_app(served: Served, checkpoint_root: Callable[[], Path]) -> web.Application:
+def build_app(served: Served, shelf: Shelf) -> web.Application:
     """The application of one node (its driver owns the lifecycle)."""
     app = web.Application(client_max_size=MAX_REPLY, middlewares=[track_requests])
     app[SERVED] = served
@@ -351,8 +351,9 @@ def build_app(served: Served, checkpoint_root: Callable[[], Path]) -> web.Applic
     app.router.add_get("/", _open(_index))
     host = served.host
     add_hello_route(app, served.auth, on_refused=lambda: host.count("refused_auth"))
-    ckptserve.add_checkpoint_routes(app, checkpoint_root, served.auth, host.node_id,
-                                    on_refused=lambda: host.count("refused_auth"))
+    ckptserve.add_checkpoint_routes(app, ckptserve.Serving(
+        shelf, served.auth, served.bucket, on_refused=lambda: host.count("refused_auth"),
+        on_served=lambda n: host.count("served_bytes", n)))
     return app
 
 

@@ -25,6 +25,7 @@ from p2ptrain.proto.events import (
     Event,
     FetchCheckpoint,
     Finished,
+    Holds,
     Joined,
     LeaderChanged,
     Leave,
@@ -53,18 +54,24 @@ from p2ptrain.proto.gossip.messages import (
 from p2ptrain.proto.gossip.mixer import PlainEncoder
 from p2ptrain.proto.messages import BODY_TYPES, PROTOCOL_VERSION, Body, Envelope, Header, register
 from p2ptrain.proto.node import Node, NodeConfig
-from p2ptrain.proto.records import LeaderView, MemberInfo, Update, differing_keys, fingerprint_of
+from p2ptrain.proto.records import (
+    Holding,
+    LeaderView,
+    MemberInfo,
+    Update,
+    differing_keys,
+    fingerprint_of,
+)
 from p2ptrain.proto.wire import decode, encode
 
 __all__ = [
-    "AdoptCheckpoint", "CheckpointFetched", "FetchCheckpoint", "Joined", "Offender",
-    "GOSSIP_BODIES", "AverageReply", "AverageRequest", "AveragingPlan", "GossipConfig",
-    "GradientPush", "GradientReply", "PlainEncoder", "consensus_distance", "messages", "wire",
-    "BODY_TYPES", "LAN", "LOCAL", "PRESETS", "PROTOCOL_VERSION", "WAN", "Action", "Body",
-    "Control", "Deliver", "Discovered", "Envelope", "Evaluated", "Event", "Finished",
-    "Header", "LeaderChanged", "LeaderView", "Leave", "LocalProtocolError", "MemberDown",
-    "MemberInfo", "MemberUp", "Node", "NodeConfig", "Progress", "ProtoConfig", "Received",
-    "Refused", "RemoteError", "RemoteProtocolError", "RunStep", "SaveCheckpoint", "Send",
-    "StepDone", "Tick", "Update", "decode", "differing_keys", "encode", "fingerprint_of",
-    "register",
+    "BODY_TYPES", "GOSSIP_BODIES", "LAN", "LOCAL", "PRESETS", "PROTOCOL_VERSION", "WAN", "Action",
+    "AdoptCheckpoint", "AverageReply", "AverageRequest", "AveragingPlan", "Body",
+    "CheckpointFetched", "Control", "Deliver", "Discovered", "Envelope", "Evaluated", "Event",
+    "FetchCheckpoint", "Finished", "GossipConfig", "GradientPush", "GradientReply", "Header",
+    "Holding", "Holds", "Joined", "LeaderChanged", "LeaderView", "Leave", "LocalProtocolError",
+    "MemberDown", "MemberInfo", "MemberUp", "Node", "NodeConfig", "Offender", "PlainEncoder",
+    "Progress", "ProtoConfig", "Received", "Refused", "RemoteError", "RemoteProtocolError",
+    "RunStep", "SaveCheckpoint", "Send", "StepDone", "Tick", "Update", "consensus_distance",
+    "decode", "differing_keys", "encode", "fingerprint_of", "messages", "register", "wire",
 ]

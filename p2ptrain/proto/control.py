@@ -355,7 +355,7 @@ class Control:
             updates = (table.self_update(), *(u for u in updates if u.node_id != me))[:limit]
         return Header(PROTOCOL_VERSION, self.me.node_id, table.incarnation, self.me.addr,
                       self.me.fingerprint, self._samples, membership.prober.periods,
-                      table.live_count, self.election.view, updates)
+                      table.live_count, self.election.view, updates, membership.holdings.mine)
 
     def snapshot(self) -> dict[str, Any]:
         """All protocol state as plain data (tests compare it before and after input)."""

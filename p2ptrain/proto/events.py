@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from p2ptrain.proto.messages import Envelope
-from p2ptrain.proto.records import MemberInfo
+from p2ptrain.proto.records import Holding, MemberInfo
 
 # -- events (driver -> control plane) ---------------------------------------------------------
 
@@ -55,6 +55,15 @@ class Progress(Event):
     swarm_samples: int  # the swarm G-counter's total as the trainer knows it
     samples: int  # samples this node has processed (never decreases)
     finished: bool = False  # the run reached total_samples: the leader saves a final checkpoint
+
+
+@dataclass(frozen=True, slots=True)
+class Holds(Event):
+    """The driver's checkpoint holdings changed: the newest checkpoint this node holds and
+    serves (whole, or verified chunks of a fetch in progress), or None. Gossiped in every
+    header from now on."""
+
+    holding: Holding | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,12 @@ Rules it keeps:
   may make it believe its replica is current.
 - A checkpoint is adopted only if its weights load and are finite and its held-out loss on
   a fixed batch (the driver measures it, and our own replica's on the same batch) is not far
-  above what the swarm reports (else our own): a hostile or broken leader cannot hand its
-  joiners wrecked weights. The leader whose checkpoint was refused is named (`refused`).
+  above both what the swarm reported when the fetch began and our own replica's: a hostile
+  or broken leader cannot hand its joiners wrecked weights, an honest checkpoint is not
+  judged by how far the swarm got while a big fetch ran, and one better than our own is
+  never refused. The leader whose checkpoint was refused is named (`refused`).
+- The fetch names the leader's address first, then every member that says it holds the same
+  checkpoint (holdings.py): the driver pulls chunks from all of them at once.
 - A failed fetch is retried with exponential back-off (`fetch_backoff` doubling up to
   `fetch_backoff_max`), each time from whoever leads then, at most `fetch_attempts` times;
   a leader that has no checkpoint yet is not asked again (retry False). Then the node
@@ -24,7 +28,7 @@ Pure: time is passed in; it emits actions and never does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from p2ptrain.proto.events import (
     Action,
@@ -33,8 +37,26 @@ from p2ptrain.proto.events import (
     FetchCheckpoint,
     Joined,
 )
+from p2ptrain.proto.membership.holdings import Holdings
 
 WAITING, FETCHING, BACKOFF, DONE = "waiting", "fetching", "backoff", "done"
+
+
+def sources(leader: str, digest: str | None, addr_of: Callable[[str], str | None],
+            holdings: Holdings, members: Iterable[str], limit: int) -> tuple[str, ...]:
+    """Where to fetch `leader`'s checkpoint with `digest` (None: the one it holds now): its
+    address first, then (in the order of `members`) the reachable members that say they hold
+    the same one, whole or in part; () while the leader cannot be reached."""
+    addr = addr_of(leader)
+    if addr is None:
+        return ()
+    if digest is None:
+        holding = holdings.of(leader)
+        digest = None if holding is None else holding.digest
+    if digest is None:
+        return (addr,)
+    others = (addr_of(n) for n in holdings.holders(digest, members) if n != leader)
+    return (addr, *[a for a in others if a is not None][: limit - 1])
 
 
 class Join:
@@ -56,6 +78,7 @@ class Join:
         self.last_error = ""
         self.loss_tolerance = loss_tolerance  # see `unacceptable`
         self.refused: str | None = None  # the leader whose checkpoint was refused, if any
+        self.reference: float | None = None  # the swarm's loss when the fetch began
 
     @property
     def done(self) -> bool:
@@ -69,20 +92,23 @@ class Join:
         return None
 
     def advance(self, now: float, me: str, leader: str | None,
-                addr_of: Callable[[str], str | None]) -> list[Action]:
-        """Move on as far as the current view allows (called after every event)."""
+                sources_of: Callable[[str], tuple[str, ...]],
+                swarm_loss: float | None = None) -> list[Action]:
+        """Move on as far as the current view allows (called after every event);
+        `swarm_loss`: what the swarm reports now, the yardstick for what this fetch brings."""
         if self.state == BACKOFF and now >= self.retry_at:
             self.state, self.wait_from = WAITING, now
         if self.state != WAITING:
             return []
         if leader == me:
             return self._finish("this node leads")
-        addr = addr_of(leader) if leader is not None else None
-        if addr is not None:
+        sources = sources_of(leader) if leader is not None else ()
+        if sources:
             self.state = FETCHING
             self.attempt += 1
             self.fetching_from = leader
-            return [FetchCheckpoint(leader, (addr,), self.attempt)]
+            self.reference = swarm_loss
+            return [FetchCheckpoint(leader, sources, self.attempt)]
         if now >= self.wait_from + self.timeout:
             if self.attempt:
                 return self._finish(f"no leader to fetch from after {self.attempt} attempts "
@@ -92,14 +118,17 @@ class Join:
 
     def unacceptable(self, event: CheckpointFetched, reference: float | None) -> str:
         """Why a fetched checkpoint must not be adopted ("" if it may): weights that are not
-        finite or do not load, or a held-out loss far above the reference (what the swarm
-        reports, else our own replica's on the same batch) -- a hostile or broken leader
-        cannot hand joiners wrecked weights."""
+        finite or do not load, or a held-out loss far above both yardsticks -- what the swarm
+        reports and our own replica's loss on the same batch. A hostile or broken leader
+        cannot hand joiners wrecked weights; a checkpoint better than what this node would
+        train from anyway is never refused (the swarm reports a noisy training loss, and a
+        fresh node's own weights are random)."""
         if event.loss is None:
             return ""
         if not event.loss < float("inf"):
             return "its weights are not finite"
-        ref = reference if reference is not None else event.own_loss
+        known = [r for r in (reference, event.own_loss) if r is not None]
+        ref = max(known) if known else None
         if ref is not None and event.loss > ref * (1 + self.loss_tolerance) + 0.05:
             return f"held-out loss {event.loss:.3f} against {ref:.3f}"
         return ""
@@ -107,11 +136,13 @@ class Join:
     def fetched(self, now: float, event: CheckpointFetched,
                 reference: float | None = None) -> list[Action]:
         """The driver's answer to our FetchCheckpoint (`reference`: the loss the swarm
-        reports, if known)."""
+        reports now, if known; the one it reported when the fetch began wins -- a big fetch
+        takes minutes, and the swarm's loss falls meanwhile below an honest checkpoint's)."""
         if self.state != FETCHING:
             return []  # a late answer (the join ended meanwhile): nothing to do
         if event.path is not None:
-            problem = self.unacceptable(event, reference)
+            problem = self.unacceptable(event, self.reference if self.reference is not None
+                                        else reference)
             if problem:
                 self.refused = self.fetching_from
                 return self._finish(f"refused the leader's checkpoint ({problem}); starting "

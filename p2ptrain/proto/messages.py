@@ -15,11 +15,12 @@ framing in `wire.py`. It never does I/O and holds no state besides the registry.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass, field, is_dataclass
 
 from p2ptrain.proto import schema
 from p2ptrain.proto.records import (
     MAX_TERM,
+    Holding,
     LeaderView,
     MemberInfo,
     Update,
@@ -29,7 +30,7 @@ from p2ptrain.proto.records import (
     check_text,
 )
 
-PROTOCOL_VERSION = 2  # bumped on any incompatible change to shapes or meaning
+PROTOCOL_VERSION = 3  # bumped on any incompatible change to shapes or meaning
 
 
 class Body:
@@ -77,6 +78,7 @@ class Header:
     live: int  # live members the sender knows, itself included (a cheap membership digest)
     view: LeaderView | None  # whom the sender follows, with the newest heartbeat it heard
     updates: tuple[Update, ...]  # piggybacked membership updates
+    holds: Holding | None = None  # the checkpoint the sender holds (and serves), if any
 
     def check(self) -> None:
         if self.version != PROTOCOL_VERSION:
@@ -95,6 +97,8 @@ class Header:
             raise ValueError("too many piggybacked updates")
         for update in self.updates:
             update.check()
+        if self.holds is not None:
+            self.holds.check()
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,9 +166,10 @@ class SyncRequest(Body):
 
     members: tuple[Update, ...]  # one entry per known member, the sender's own included
     samples: dict[str, int]  # the swarm sample G-counter as the sender knows it
+    holdings: dict[str, Holding] = field(default_factory=dict)  # member -> what it holds
 
     def check(self) -> None:
-        _check_listing(self.members, self.samples)
+        _check_listing(self.members, self.samples, self.holdings)
 
 
 @register(6)
@@ -174,9 +179,10 @@ class SyncReply(Body):
 
     members: tuple[Update, ...]
     samples: dict[str, int]
+    holdings: dict[str, Holding] = field(default_factory=dict)
 
     def check(self) -> None:
-        _check_listing(self.members, self.samples)
+        _check_listing(self.members, self.samples, self.holdings)
 
 
 @register(7)
@@ -240,8 +246,9 @@ class Yield(Body):
         check_epoch(self.winner_term, "winner_term")
 
 
-def _check_listing(members: tuple[Update, ...], samples: dict[str, int]) -> None:
-    if len(members) > 65536 or len(samples) > 65536:
+def _check_listing(members: tuple[Update, ...], samples: dict[str, int],
+                   holdings: dict[str, Holding]) -> None:
+    if len(members) > 65536 or len(samples) > 65536 or len(holdings) > 65536:
         raise ValueError("member list too long")
     seen: set[str] = set()
     for update in members:
@@ -254,6 +261,9 @@ def _check_listing(members: tuple[Update, ...], samples: dict[str, int]) -> None
     for node_id, count in samples.items():
         check_node_id(node_id, "sample counter key")
         check_count(count, "sample count")
+    for node_id, holding in holdings.items():
+        check_node_id(node_id, "holdings key")
+        holding.check()
 
 
 CONTROL_BODIES: tuple[type[Body], ...] = (Ping, Ack, PingReq, Notify, SyncRequest, SyncReply,

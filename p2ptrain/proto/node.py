@@ -62,6 +62,7 @@ from p2ptrain.proto.events import (
     Evaluated,
     Event,
     Finished,
+    Holds,
     Leave,
     Offender,
     Progress,
@@ -75,16 +76,17 @@ from p2ptrain.proto.events import (
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, AverageReply, AverageRequest
 from p2ptrain.proto.gossip.trainer import GossipTrainer, TooFar
-from p2ptrain.proto.joining import Join
+from p2ptrain.proto.joining import Join, sources
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
 from p2ptrain.proto.offenders import Offenders
-from p2ptrain.proto.records import ALIVE, MemberInfo
+from p2ptrain.proto.records import ALIVE, MemberInfo, holding_doc
 
 if TYPE_CHECKING:
     from p2ptrain.learner import Learner
 
 JOINING, TRAINING, FINISHED, STOPPED = "joining", "training", "finished", "stopped"
 MAX_PINGS_TIMED = 256  # probes awaiting their ack for the RTT, at most
+MAX_SOURCES = 16  # addresses a join fetches from at once (the leader's first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +231,14 @@ class Node:
                 raise LocalProtocolError("Evaluated.eval_loss must be a number >= 0")
             self.eval_loss = float(event.eval_loss)
             actions = []
+        elif kind is Holds:
+            if event.holding is not None:
+                try:
+                    event.holding.check()
+                except ValueError as exc:
+                    raise LocalProtocolError(f"Holds: {exc}") from None
+            self.control.membership.holdings.mine = event.holding
+            actions = []
         elif kind in (Tick, Discovered, Leave):
             actions = self.control.handle(now, event)
             if kind is Tick:
@@ -249,7 +259,8 @@ class Node:
                 if type(body) is Ping and body.target == action.to:
                     self._time_ping(now, body.target, body.seq)
         if not self.join.done and self.phase == JOINING:
-            actions += self.join.advance(now, self.node_id, self.control.leader, self._addr_of)
+            actions += self.join.advance(now, self.node_id, self.control.leader,
+                                         self.sources_of, self._swarm_loss())
         for action in list(actions):
             if (type(action) is RemoteError and action.offence and action.sender
                     and action.sender != self.node_id):
@@ -276,6 +287,12 @@ class Node:
         losses = sorted(loss for _, loss in self.trainer.peer_progress.values()
                         if loss is not None)
         return losses[len(losses) // 2] if losses else None
+
+    def sources_of(self, leader: str, digest: str | None = None) -> tuple[str, ...]:
+        """Where to fetch `leader`'s checkpoint (joining.sources)."""
+        members = self.control.members()
+        return sources(leader, digest, self._addr_of, self.control.membership.holdings,
+                       sorted(members, key=lambda n: -members[n][2].capability), MAX_SOURCES)
 
     def _addr_of(self, node_id: str) -> str | None:
         """The address of a live member that accepts connections (None otherwise)."""
@@ -395,6 +412,7 @@ class Node:
         """This node as plain data, the `/v1/status` document (`swarm` is the driver's)."""
         learner, trainer = self.learner, self.trainer
         rows = self.control.status()
+        holdings = self.control.membership.holdings
         members = []
         for row in rows[1:]:
             peer = row["node_id"]
@@ -408,6 +426,7 @@ class Node:
                 "rtt_ms": None if stats.rtt is None else stats.rtt * 1e3,
                 "bandwidth": stats.bandwidth,
                 "gradients_used": trainer.mixer.used[bytes.fromhex(peer)],
+                "holds": holding_doc(holdings.of(peer)),
                 "averages_refused": trainer.guard.refused[peer]})
         mix = trainer.last_mix
         return {
@@ -417,6 +436,7 @@ class Node:
             "loss": self.loss, "eval_loss": self.eval_loss, "samples": learner.samples,
             "swarm_samples": learner.count.total, "leader": self.control.leader,
             "term": self.control.term, "is_leader": self.control.is_leader,
+            "holds": holding_doc(holdings.mine),
             "bytes_in": sum(self.bytes_in.values()), "bytes_out": sum(self.bytes_out.values()),
             "consensus_distance": trainer.distance, "skipped_steps": self.skipped,
             "peers_last_mix": 0 if mix is None else len(mix.peers),

@@ -126,6 +126,32 @@ class Update:
 
 
 @dataclass(frozen=True, slots=True)
+class Holding:
+    """Which checkpoint a member holds, whole or in part (issue 14: any holder serves): the
+    leader's (term, step) that names it, its swarm sample count, and a short hash of its
+    signed manifest (`digest`), so fetchers know who can serve the very same bytes."""
+
+    term: int
+    step: int
+    samples: int
+    digest: str  # 16 lowercase hex characters (checkpoint.manifest.Manifest.digest)
+
+    def check(self) -> None:
+        check_epoch(self.term, "holding term")
+        check_count(self.step, "holding step")
+        check_count(self.samples, "holding samples")
+        if not (isinstance(self.digest, str) and len(self.digest) == 16
+                and _HEX.issuperset(self.digest)):
+            raise ValueError("holding digest must be 16 lowercase hex characters")
+
+
+def holding_doc(h: Holding | None) -> dict[str, object] | None:
+    """A holding as plain data (status documents)."""
+    return None if h is None else {"term": h.term, "step": h.step, "samples": h.samples,
+                                   "digest": h.digest}
+
+
+@dataclass(frozen=True, slots=True)
 class LeaderView:
     """Whom a node follows: a claim (term, priority, capability, leader) and the newest
     heartbeat number heard for it. Every message carries its sender's view, so leases are

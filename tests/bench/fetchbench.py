@@ -5,7 +5,7 @@ A fresh identity saves a checkpoint of random float32 weights (about `--size-mb`
 tiny state file) into a temporary directory. One aiohttp server on 127.0.0.1 serves it through
 `add_checkpoint_routes` and serves model.safetensors again through a plain static route
 (`web.FileResponse`). Each repeat times `fetch_latest` into an empty directory (signed Range
-requests per chunk, MAC and hash checks, fsync, final verification) and a plain streamed GET
+requests per chunk, MAC and hash checks as chunks arrive, fsync) and a plain streamed GET
 of model.safetensors read in 1 MiB pieces into a file that is then fsynced, so both sides pay
 for durable bytes. Figures are medians; MB/s counts 10^6 bytes of the files written. Client
 and server share one event loop, as they would not in a real swarm: treat the ratio, not the
@@ -31,9 +31,10 @@ from aiohttp import web
 from p2ptrain.checkpoint import Snapshot, store
 from p2ptrain.identity import load_or_create
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
-from p2ptrain.net.ckptserve import add_checkpoint_routes, latest_own
+from p2ptrain.net.ckptserve import Serving, add_checkpoint_routes
 from p2ptrain.net.fetch import fetch_latest
 from p2ptrain.net.hello import add_hello_route
+from p2ptrain.net.shelf import Shelf
 
 PIECE = 2**20  # bytes per read of the plain download
 
@@ -71,7 +72,8 @@ async def run_bench(size_mb: int, repeats: int) -> dict:
         app = web.Application()
         auth = ServerAuth(key, ident.node_id, ident.incarnation)
         add_hello_route(app, auth)
-        add_checkpoint_routes(app, lambda: ckpt.parent, auth, ident.node_id)
+        shelf = Shelf(lambda: [ckpt.parent])
+        add_checkpoint_routes(app, Serving(shelf, auth))
 
         async def plain(request: web.Request) -> web.FileResponse:
             return web.FileResponse(ckpt / store.MODEL_FILE)
@@ -82,7 +84,7 @@ async def run_bench(size_mb: int, repeats: int) -> dict:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         base = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        await asyncio.to_thread(latest_own, ckpt.parent, ident.node_id)  # hash it once
+        await asyncio.to_thread(shelf.latest)  # hash it once
         fetched = sum((ckpt / n).stat().st_size for n in (store.MODEL_FILE, store.STATE_FILE))
         fetch_s, plain_s, plain_bytes = [], [], 0
         try:

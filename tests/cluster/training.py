@@ -34,12 +34,14 @@ from p2ptrain.proto.events import (
     CheckpointFetched,
     FetchCheckpoint,
     Finished,
+    Holds,
     RunStep,
     SaveCheckpoint,
     StepDone,
 )
 from p2ptrain.proto.gossip.averaging import consensus_distance
 from p2ptrain.proto.node import Node, NodeConfig
+from p2ptrain.proto.records import Holding
 from tests.cluster import harness
 
 if TYPE_CHECKING:
@@ -97,6 +99,16 @@ class TrainingCluster(harness.Cluster):
         learner = node.machine.learner
         path = f"ckpt/{node.index}/{action.term}/{action.step}"
         self.stored[path] = (node.index, learner.params.copy(), learner.count.as_dict())
+        self._tell_holding(node, path)
+
+    def _tell_holding(self, node: harness.Slot, path: str) -> None:
+        """As the runtime's shelf does: the node now holds (and serves) checkpoint `path`."""
+        _, term, step = (int(x) for x in path.split("/")[1:])
+        holding = Holding(term, step, sum(self.stored[path][2].values()),
+                          f"{term:08x}{step:08x}")
+        i, generation = node.index, node.generation
+        self.at(self.now, lambda c: c.nodes[i].up and c.nodes[i].generation == generation
+                and c._handle(c.nodes[i], Holds(holding)))
 
     def _fetch(self, i: int, generation: int, action: FetchCheckpoint) -> None:
         """Answer a FetchCheckpoint: the newest checkpoint the leader wrote, fetched from the
@@ -115,6 +127,7 @@ class TrainingCluster(harness.Cluster):
             path = leader_written[-1]
             event = CheckpointFetched(path, sum(self.stored[path][2].values()),
                                       counts=self.stored[path][2])
+            self._tell_holding(node, path)
         self._handle(node, event)
 
     def on_action(self, node: harness.Slot, action: Action) -> None:

@@ -24,6 +24,7 @@ import random
 
 from p2ptrain.proto.config import ProtoConfig
 from p2ptrain.proto.events import Action, Refused
+from p2ptrain.proto.membership.holdings import Holdings
 from p2ptrain.proto.membership.probe import Prober
 from p2ptrain.proto.membership.samples import SampleGuard
 from p2ptrain.proto.membership.table import MemberTable
@@ -63,6 +64,7 @@ class Membership:
         self.prober = Prober(config, self.table, rng, now)
         self.samples = SwarmCount()  # samples processed per node id (grow-only, merged by max)
         self.sample_guard = SampleGuard(config, me.node_id)  # what one entry may grow by
+        self.holdings = Holdings(me.node_id)  # who holds which checkpoint
         self.seeds: dict[str, None] = {}  # addresses discovered, in order (a set that keeps order)
         # The first exchange comes one period after start; it is repeated every period for as
         # long as exchanges teach something new (a forming swarm), then every sync_interval.
@@ -154,7 +156,8 @@ class Membership:
             self._sync(m.info.node_id, m.info.addr, msgs)
 
     def _sync(self, to: str | None, addr: str, msgs: list[Out]) -> None:
-        msgs.append(Out(to, addr, SyncRequest(self.table.listing(), self.samples.as_dict())))
+        msgs.append(Out(to, addr, SyncRequest(self.table.listing(), self.samples.as_dict(),
+                                              self.holdings.listing(self.table.members))))
 
     # -- driver input -------------------------------------------------------------------------
 
@@ -212,6 +215,7 @@ class Membership:
             table.queue.push(sender, Update(ALIVE, sender, m.incarnation,
                                             self.me.node_id, m.info),
                              self.config.retransmit_limit(table.live_count))
+        self.holdings.heard(sender, header.holds, table.members)
         if table.fresh:
             self._after_change(now)
 
@@ -229,6 +233,7 @@ class Membership:
             live = self.table.live_count
             self.table.merge_listing(body.members, now, actions)
             self.samples.merge(self.admit_samples(body.samples, now))
+            self.holdings.merge(body.holdings, self.table.members)
             theirs = sum(1 for u in body.members if u.kind == ALIVE or u.kind == SUSPECT)
             if self.table.live_count > live or theirs != self.table.live_count:
                 # The two lists differed: exchange again next period, not next interval.
@@ -236,8 +241,9 @@ class Membership:
                 # membership); once lists agree, exchanges fall back to sync_interval.
                 self.next_sync = min(self.next_sync, now + self.config.probe_interval)
             if kind is SyncRequest:
-                msgs.append(Out(sender, addr, SyncReply(self.table.listing(),
-                                                        self.samples.as_dict()), reply=True))
+                msgs.append(Out(sender, addr, SyncReply(
+                    self.table.listing(), self.samples.as_dict(),
+                    self.holdings.listing(self.table.members)), reply=True))
             self._after_change(now)
         elif kind is Refuse:
             keys = differing_keys(self.me.fingerprint_fields, body.fingerprint_fields)
