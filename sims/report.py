@@ -4,8 +4,11 @@ Training scenarios get one row per method: simulated time to the target held-out
 loss (mean over live replicas, worst in brackets), samples per simulated second, bytes sent
 per machine (median / max) and per step, the busiest link and its utilisation, and the
 consensus distance (RMS distance of the replicas to their mean). Traffic-only sweeps get one
-row per (parameters, machines, method). Plots need matplotlib (the `plot` extra); without it
-they are skipped with a note. This file reads results and writes files, nothing else.
+row per (parameters, machines, method). Join storms get, per fetch strategy, the time until
+each device class, each site and the whole fleet hold their checkpoint, beside the lower
+bounds derived from the link parameters, and the bytes by route. Plots need matplotlib (the
+`plot` extra); without it they are skipped with a note. This file reads results and writes
+files, nothing else.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def _time(x: Any) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
+    if "storm" in results:
+        return storm_table(results)
     if results.get("mode") == "traffic":
         return traffic_table(results)
     target = results.get("target_loss")
@@ -71,6 +76,75 @@ def traffic_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _held(row: dict[str, Any]) -> str:
+    """A simulated time with its lower bound in brackets."""
+    return f"{_time(row['all_hold'])} ({_time(row['bound']['seconds'])})"
+
+
+def _row(*cells: str) -> str:
+    return f"| {' | '.join(cells)} |"
+
+
+def storm_table(results: dict[str, Any]) -> str:
+    storm, rows = results["storm"], results["methods"]
+    leader, names = storm["leader"], [r["name"] for r in rows]
+    classes = list(dict.fromkeys(g["device"] for g in storm["groups"]))
+    sites = [s["name"] for s in storm["sites"]]
+    fetch = {d: g["file"] for g in storm["groups"] for d in [g["device"]]}
+    files = "; ".join(f"{', '.join(d for d in classes if fetch[d] == name)} fetch `{name}` "
+                      f"({_bytes(f['bytes'])})" for name, f in storm["files"].items())
+    lines = [f"Scenario `{results['scenario']}`, seed {results['seed']}: {storm['machines']} "
+             f"machines join at once; {files}; chunks of {storm['chunk_bytes'] / 2**20:g} MiB. "
+             f"Leader (as the election picks it): n{leader['index']}, a {leader['device']} "
+             f"({leader['site']}, {leader['medium']}).", "",
+             "Simulated time until every machine of a class / site / the fleet holds its file; "
+             "in brackets the lower bound derived from the link parameters (stormbound.py).", "",
+             _row("strategy", *classes, *sites, "all hold", "bound: binding resource",
+                  "all / bound", "busiest link (utilisation)"),
+             "|---|" + "---:|" * (len(classes) + len(sites) + 1) + "---|---:|---|"]
+    for r in rows:
+        lines.append(_row(
+            r["name"], *(_held(r["by_class"][c]) for c in classes),
+            *(_held(r["by_site"][s]) for s in sites), _time(r["all_hold"]),
+            f"{_time(r['bound']['seconds'])}: {r['bound']['resource']}",
+            _num(r["ratio_to_bound"], "{:.2f}"),
+            f"{r['busiest_link']} ({_num(r['busiest_utilisation'], '{:.0%}')})"))
+    bounds = [{b["resource"]: b["seconds"] for b in r["bounds"]} for r in rows]
+    resources = sorted({res for found in bounds for res in found},
+                       key=lambda res: -max(found.get(res, 0) for found in bounds))
+    lines += ["", "Lower bounds, s (each resource's least work for the bytes it must carry):",
+              "", _row("resource", *names), "|---|" + "---:|" * len(rows)]
+    for res in resources:
+        lines.append(_row(res, *(_time(found[res]) if res in found else "–"
+                                 for found in bounds)))
+    lines += ["", "Bytes delivered by route (first copies), the tail's second copies, messages "
+              "lost (Starlink):", "", _row("route", *names), "|---|" + "---:|" * len(rows)]
+    for route in sorted({k for r in rows for k in r["bytes_by_route"]}):
+        lines.append(_row(route, *(_bytes(r["bytes_by_route"].get(route, 0)) for r in rows)))
+    lines.append(_row("second copies (wasted)", *(_bytes(r["wasted_bytes"]) for r in rows)))
+    lines.append(_row("messages lost", *(str(r["lost_messages"]) for r in rows)))
+    return "\n".join(lines) + "\n"
+
+
+def _storm_plot(results: dict[str, Any], out: Path, plt) -> str:
+    fig, ax = plt.subplots(figsize=(9.6, 4.4))
+    n = results["storm"]["machines"] - 1
+    for r in results["methods"]:
+        times = r["finish_times"]
+        ax.step([0.0] + times, [0] + list(range(1, len(times) + 1)), where="post",
+                label=f"{r['name']} (bound {r['bound']['seconds']:.0f} s)")
+    ax.set_xlabel("simulated seconds")
+    ax.set_ylabel(f"machines holding their checkpoint (of {n})")
+    ax.set_title(f"{results['scenario']}: joiners holding their checkpoint")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = out / f"{results['scenario']}-held.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path.name
+
+
 def plots(results: dict[str, Any], out: Path) -> list[str]:
     """Write the PNGs into `out`; returns notes (e.g. matplotlib missing)."""
     try:
@@ -83,6 +157,8 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
                 ".venv/bin/pip install -e '.[plot]')"]
     name = results["scenario"]
     written = []
+    if "storm" in results:
+        return [f"plots: {_storm_plot(results, out, plt)}"]
     if results.get("mode") == "traffic":
         points = results["points"]
         for key, label, fname, log in (

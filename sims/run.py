@@ -1,5 +1,6 @@
-"""Running a scenario: every method (or, in traffic-only mode, every point of the sweep) in
-its own world with the same seed, then results.json, the Markdown table and the plots.
+"""Running a scenario: every method (or, in traffic-only mode, every point of the sweep, or
+every fetch method of a join storm) in its own world with the same seed, then results.json,
+the Markdown table and the plots.
 
 Methods are independent, so they may run in parallel processes (`jobs`); results are put
 back in the scenario's order, so the output does not depend on `jobs`. results.json holds
@@ -14,7 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from sims import report, traffic
+from sims import report, storm, traffic
 from sims.allreduce import RingSim, SoloSim
 from sims.coordinator import CoordinatorSim
 from sims.fleet import Training, World
@@ -76,6 +77,10 @@ def run_scenario(scenario: Scenario, seed: int | None = None,
     head = {"scenario": scenario.name, "description": scenario.description, "seed": seed,
             "mode": scenario.mode, "target_loss": scenario.target_loss,
             "duration": scenario.duration}
+    if scenario.checkpoint is not None:
+        tasks = [(scenario, method, seed) for method in scenario.methods]
+        return {**head, "storm": storm.summary(scenario, seed),
+                "methods": _pool_map(storm.run_method, tasks, jobs)}
     if scenario.mode == "traffic":
         tasks = [(scenario, point, seed) for point in traffic.sweep_points(scenario)]
         rows = _pool_map(traffic.run_point, tasks, jobs)

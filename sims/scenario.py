@@ -4,9 +4,10 @@ A scenario names the fleet (device groups at sites, each on WiFi or wired), the 
 their uplinks, the model trained for real (`[model]`, the proxy) and the model charged
 (`[charge]`, see charge.py), the training and protocol settings, churn, the methods to
 compare (`[[methods]]`: gossip, coordinator, allreduce, solo) and, in traffic-only mode, the
-sweep. Every key is checked: an unknown one is an error naming it, so a typo in a
-user's file never silently falls back to a default. This file only reads and validates;
-it builds nothing that runs.
+sweep -- or, for a join storm, the checkpoint files every machine fetches (`[checkpoint]`)
+and the `fetch` methods that move them. Every key is checked: an unknown one is an error
+naming it, so a typo in a user's file never silently falls back to a default. This file
+only reads and validates; it builds nothing that runs.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from sims.devices import PROFILES, Device, make_device
 from sims.network import UPLINKS, Site, Uplink
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
-METHOD_KINDS = ("gossip", "coordinator", "allreduce", "solo")
+METHOD_KINDS = ("gossip", "coordinator", "allreduce", "solo", "fetch")
 TOP_KEYS = {"name", "description", "seed", "mode", "duration", "target_loss", "eval_every",
             "eval_windows", "model", "charge", "train", "protocol", "sites", "nodes",
-            "devices", "churn", "methods", "sweep", "jobs"}
+            "devices", "churn", "methods", "sweep", "jobs", "checkpoint"}
+CHECKPOINT_KEYS = {"chunk_mib", "request_bytes", "files", "fetch"}
+MIB = 2**20
 
 
 class ScenarioError(ValueError):
@@ -64,6 +67,21 @@ class Churn:
 
 
 @dataclass(frozen=True)
+class CheckpointSpec:
+    """A join storm's checkpoint: the files there are and which one each device fetches."""
+
+    chunk_bytes: int  # bytes per chunk (a file's last chunk may be shorter)
+    files: dict[str, int]  # file name -> bytes (e.g. a 16-bit base, an fp32 checkpoint)
+    fetch: dict[str, str]  # device name -> the file its machines fetch
+    request_bytes: int = 512  # one chunk request on the wire (a Range GET and its auth)
+
+    def scaled(self, factor: float) -> CheckpointSpec:
+        """The same files `factor` times as large (for quick runs)."""
+        files = {name: max(1, round(size * factor)) for name, size in self.files.items()}
+        return dataclasses.replace(self, files=files)
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     description: str
@@ -84,6 +102,7 @@ class Scenario:
     methods: tuple[Method, ...]
     sweep: dict[str, Any]  # traffic mode: {"nodes": [...], "params": [...]}
     jobs: int  # methods run in parallel processes
+    checkpoint: CheckpointSpec | None = None  # join storm: the files fetched (fetch methods)
     path: Path | None = None
 
     def replace(self, **changes: Any) -> Scenario:
@@ -118,6 +137,31 @@ def _site(raw: dict) -> Site:
         uplink = dataclasses.replace(base, **uplink_raw)
     extra = {k: float(v) for k, v in raw.items() if k not in ("name", "uplink")}
     return Site(str(raw["name"]), uplink, **extra)
+
+
+def _checkpoint(raw: dict, groups: list[NodeGroup], methods: list[Method],
+                mode: str) -> CheckpointSpec | None:
+    fetching = [m.name for m in methods if m.kind == "fetch"]
+    if not raw:
+        if fetching:
+            raise ScenarioError(f"method {fetching[0]}: a fetch method needs [checkpoint]")
+        return None
+    _check_keys(raw, CHECKPOINT_KEYS, "[checkpoint]")
+    if mode != "traffic" or len(fetching) != len(methods):
+        raise ScenarioError("[checkpoint] goes with mode = \"traffic\" and fetch methods only")
+    files = {str(k): int(float(v)) for k, v in raw.get("files", {}).items()}
+    fetch = {str(k): str(v) for k, v in raw.get("fetch", {}).items()}
+    for device, name in fetch.items():
+        if name not in files:
+            raise ScenarioError(f"[checkpoint] fetch: {device} fetches unknown file {name!r}")
+    for group in groups:
+        if group.device not in fetch:
+            raise ScenarioError(f"[checkpoint] fetch: no file for device {group.device!r}")
+    spec = CheckpointSpec(int(float(raw.get("chunk_mib", 4)) * MIB), files, fetch,
+                          int(raw.get("request_bytes", 512)))
+    if spec.chunk_bytes < 1 or spec.request_bytes < 1 or min(files.values(), default=0) < 1:
+        raise ScenarioError("[checkpoint]: chunk, request and file sizes must be > 0")
+    return spec
 
 
 def parse(doc: dict, path: Path | None = None) -> Scenario:
@@ -158,6 +202,7 @@ def parse(doc: dict, path: Path | None = None) -> Scenario:
         if mode not in ("train", "traffic"):
             raise ScenarioError("mode must be train or traffic")
         target = doc.get("target_loss")
+        checkpoint = _checkpoint(dict(doc.get("checkpoint", {})), groups, methods, mode)
         return Scenario(
             name=str(doc.get("name", path.stem if path else "scenario")),
             description=str(doc.get("description", "")),
@@ -171,7 +216,7 @@ def parse(doc: dict, path: Path | None = None) -> Scenario:
             train=dict(doc.get("train", {})), protocol=dict(doc.get("protocol", {})),
             sites=sites, nodes=tuple(groups), devices=devices, churn=churn,
             methods=tuple(methods), sweep=dict(doc.get("sweep", {})),
-            jobs=int(doc.get("jobs", 1)), path=path)
+            jobs=int(doc.get("jobs", 1)), checkpoint=checkpoint, path=path)
     except ScenarioError:
         raise
     except (KeyError, TypeError, ValueError) as exc:
