@@ -2,6 +2,7 @@
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -149,3 +150,15 @@ def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path, small_mlp_confi
     ev = events(out)
     assert any(e["event"] == "checkpoint" and e["final"] for e in ev)
     assert ev[-1]["event"] == "stopped" and ev[-1]["reason"] == "SIGTERM"
+
+
+def test_checkpoint_fetch_from_a_dead_port_says_so(tmp_path):
+    assert run_cli("init", "--out", str(tmp_path / "sw"), timeout=60).returncode == 0
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = run_cli("checkpoint", "fetch", "--peer", f"127.0.0.1:{port}", "--config",
+                str(tmp_path / "sw" / "swarm.toml"), "--timeout", "1", "--out",
+                str(tmp_path / "out"), timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"nothing listens at 127.0.0.1:{port} (connection refused)" in r.stderr, r.stderr

@@ -39,6 +39,7 @@ def test_metrics_parse_with_conventional_names_and_types(tmp_path):
             "p2ptrain_swarm_samples": "counter", "p2ptrain_received_bytes": "counter",
             "p2ptrain_sent_bytes": "counter", "p2ptrain_upload_bytes": "counter",
             "p2ptrain_tokens": "counter", "p2ptrain_refused_requests": "counter",
+            "p2ptrain_checkpoint_served_bytes": "counter",
             "p2ptrain_train_loss": "gauge", "p2ptrain_term": "gauge",
             "p2ptrain_is_leader": "gauge", "p2ptrain_members": "gauge",
             "p2ptrain_peer_rtt_seconds": "gauge", "p2ptrain_step_seconds": "histogram",
@@ -51,6 +52,8 @@ def test_metrics_parse_with_conventional_names_and_types(tmp_path):
         hist = first["p2ptrain_step_seconds"]
         count = _value(hist, "_count")
         assert count > 0 and _value(hist, "_bucket", le="+Inf") == count
+        served = _value(first["p2ptrain_checkpoint_served_bytes"], "_total")
+        assert served == a.status()["runtime"].get("served_bytes", 0)  # the join is over
         build = next(s for s in first["p2ptrain_build_info"].samples)
         assert build.labels["version"] and build.labels["python"]
         wait_for("the counters to move", lambda: _value(
