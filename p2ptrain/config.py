@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2ptrain.models import MODELS
+from p2ptrain.models import MODELS, presets
 from p2ptrain.options import option_meta
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.node import NodeConfig
@@ -164,8 +164,16 @@ class Config:
         name = self.values["model.name"]
         config_cls, _ = MODELS[name]
         prefix = f"model.{name}."
-        return config_cls(**{k[len(prefix):]: v for k, v in self.values.items()
-                             if k.startswith(prefix)})
+        config = config_cls(**{k[len(prefix):]: v for k, v in self.values.items()
+                               if k.startswith(prefix)})
+        preset = self.values.get("model.preset")
+        if not preset:
+            return config
+        if name != "rwkv":
+            raise ConfigError(f"model.preset {preset!r} is an rwkv shape; model.name is {name}")
+        explicit = {k[len(prefix):] for k, source in self.sources.items()
+                    if k.startswith(prefix) and source != "default"}
+        return presets.apply(preset, config, explicit)
 
 
 def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -309,4 +317,4 @@ def settings_of(cfg: Config) -> Settings:
         eval=_fill(EvalConfig, cfg, "eval"), checkpoint=_fill(CheckpointConfig, cfg, "checkpoint"),
         host=_fill(HostConfig, cfg, "node"), node=_fill(NodeConfig, cfg, "node", gossip=gossip),
         swarm=_fill(SwarmConfig, cfg, "swarm"), net=_fill(NetConfig, cfg, "net"),
-        log=_fill(LogConfig, cfg, "log"))
+        log=_fill(LogConfig, cfg, "log"), init_from=cfg.values["model.init_from"])

@@ -71,7 +71,8 @@ class Learner:
         self.model = model
         self.node_id = node_id
         self.batch, self.accum = batch, accum
-        self.fingerprint = fingerprint(model)
+        self.fingerprint = fingerprint(model, corpus.tokenizer_id)
+        self.tokenizer_id, self.tokenizer_json = corpus.tokenizer_id, corpus.tokenizer_json
         space = model.space
         self.params = space.zeros()
         model.init_params(self.params, np.random.default_rng(train.seed))  # same on every node
@@ -172,6 +173,8 @@ class Learner:
             arch=self.model.arch(),
             model_tensors=[(s.name, space.view(self.params, s.name)) for s in space],
             state_tensors=[("adam.m", self.opt.m), ("adam.v", self.opt.v)],
+            model_meta={} if self.tokenizer_json is None else {
+                checkpoint.TOKENIZER_META_KEY: self.tokenizer_json},
             state_meta={"step": self.step, "samples": self.samples, "adam_t": self.opt.t,
                         "node_id": self.node_id, "data": self.sampler.position()},
         )

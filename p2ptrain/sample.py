@@ -1,5 +1,6 @@
-"""Generating text from a model, byte by byte (pure: the generator is passed in), and making
-the bytes safe to print: a byte model can emit invalid UTF-8 and terminal escapes."""
+"""Generating text from a model, token by token (pure: the generator is passed in), and making
+the output safe to print: a byte model can emit invalid UTF-8 and terminal escapes, and a
+tokenized one anything its tokenizer decodes to."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import numpy as np
 from p2ptrain.models import Model
 
 
-def generate(model: Model, params: np.ndarray, prompt: bytes, length: int, temperature: float,
-             rng: np.random.Generator) -> Iterator[int]:
-    """Yield `length` bytes continuing `prompt`, each drawn from the model's distribution at
-    `temperature` (0: always the most likely byte). The model sees the last ctx_len bytes."""
-    context = list(prompt) or [ord("\n")]
+def generate(model: Model, params: np.ndarray, prompt: list[int] | bytes, length: int,
+             temperature: float, rng: np.random.Generator, start: int = ord("\n")
+             ) -> Iterator[int]:
+    """Yield `length` token ids (bytes for a byte model) continuing `prompt`, each drawn from
+    the model's distribution at `temperature` (0: always the most likely). The model sees the
+    last ctx_len tokens; an empty prompt starts from `start`."""
+    context = list(prompt) or [start]
     for _ in range(length):
         window = np.asarray(context[-model.ctx_len :], dtype=np.int64)[None, :]  # (1, T)
         logits = model.logits(params, window)[0, -1].astype(np.float64)  # (V,)
@@ -29,6 +32,24 @@ def generate(model: Model, params: np.ndarray, prompt: bytes, length: int, tempe
             byte = int(rng.choice(len(probs), p=probs))
         context.append(byte)
         yield byte
+
+
+class TokenText:
+    """Decodes generated token ids with a `tokenizers` tokenizer, as text grows: each call
+    returns what the ids so far add to the text (a piece that only later decodes whole comes
+    out then), made printable like `Printable`."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.said = tokenizer, [], ""
+        self._printable = Printable()
+
+    def feed(self, ids: list[int]) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids)
+        if "\ufffd" in text[len(self.said):] or not text.startswith(self.said):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        new, self.said = text[len(self.said):], text
+        return self._printable.feed(new.encode("utf-8"))
 
 
 class Printable:

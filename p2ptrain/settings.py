@@ -16,6 +16,7 @@ from typing import Any
 
 from p2ptrain.learner import TrainConfig
 from p2ptrain.models import MODELS
+from p2ptrain.models.presets import PRESETS as MODEL_PRESETS
 from p2ptrain.options import option
 from p2ptrain.proto.config import PRESETS, ProtoConfig
 from p2ptrain.proto.gossip.config import GossipConfig
@@ -28,6 +29,12 @@ class ModelChoice:
 
     name: str = option("rwkv", "built-in model to train", flag="--model",
                        choices=tuple(MODELS))
+    preset: str = option("", "rwkv shape by name (rwkv-169m, rwkv-430m, seed-1b, rwkv-1b5); "
+                         "model.rwkv.* keys set explicitly still win", flag="--preset",
+                         choices=("", *MODEL_PRESETS))
+    init_from: str = option("", "start from a Hugging Face RWKV-4 directory (config.json, "
+                            "safetensors weights, tokenizer.json): its shape and weights; the "
+                            "data must use its tokenizer", flag="--init-from")
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +174,7 @@ class Settings:
     swarm: SwarmConfig
     net: NetConfig
     log: LogConfig
+    init_from: str = ""  # [model] init_from: a Hugging Face RWKV-4 directory, or ""
 
     @property
     def gossip(self) -> GossipConfig:

@@ -13,17 +13,18 @@ import json
 import os
 import shutil
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from p2ptrain import checkpoint
-from p2ptrain.data import load_corpus
+from p2ptrain.data import Corpus, load_corpus
+from p2ptrain.data.tokens import TOKENIZER_FILE, sha256_file
 from p2ptrain.errors import UserError
 from p2ptrain.hw import choose_batch, detect
 from p2ptrain.identity import Identity, load_or_create
 from p2ptrain.learner import Learner
-from p2ptrain.models import build_model
+from p2ptrain.models import Model, build_model, hf
 from p2ptrain.proto import MemberInfo
 from p2ptrain.report import Reporter
 from p2ptrain.settings import Settings
@@ -74,8 +75,9 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
     lock_state_dir(state_dir)  # held for the life of the process: one node per directory
     identity = load_or_create(state_dir)
     reporter.node_id = identity.node_id  # every log line names the node from here on
-    model = build_model(settings.model_name, settings.model)
-    corpus = load_corpus(settings.data.path, settings.data.holdout_fraction, model.ctx_len + 2)
+    corpus = load_corpus(settings.data.path, settings.data.holdout_fraction,
+                         settings.model.ctx_len + 2)
+    model, hf_dir = model_for(settings, corpus)
     train = settings.train
     batch, accum = train.batch, train.accum or 1
     hw = detect() if batch == 0 or not alone else None
@@ -96,7 +98,8 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
     reporter.info(
         f"node {identity.node_id[:12]} (incarnation {identity.incarnation}) training "
         f"{model.name} ({model.space.n_params / 1e6:.2f}M parameters) on {corpus.name} "
-        f"({corpus.train.size:,} training / {corpus.heldout.size:,} held-out bytes)"
+        f"({corpus.train.size:,} training / {corpus.heldout.size:,} held-out "
+        f"{'bytes' if corpus.tokenizer_json is None else 'tokens'})"
         + (", alone" if alone else ""), event="start", node_id=identity.node_id,
         model=model.name, params=model.space.n_params, batch=batch)
 
@@ -118,8 +121,49 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
         reporter.info(f"resumed from {found.path.name}: step {learner.step}, "
                       f"{learner.swarm_samples:,} samples", event="resumed",
                       checkpoint=str(found.path), step=learner.step)
+    elif hf_dir is not None:
+        initialize_from_hf(learner, hf_dir)
+        reporter.info(f"weights from {hf_dir}", event="init_from", path=str(hf_dir))
     term = found.manifest.term if found.manifest is not None else 0
     return Prepared(identity, learner, ckroot, hw, term)
+
+
+def model_for(settings: Settings, corpus: Corpus) -> tuple[Model, Path | None]:
+    """The model to train on `corpus`: the configured shape (a preset included) or that of
+    the Hugging Face directory `model.init_from`, with the data's vocabulary; and that
+    directory. The data must have been prepared with that directory's tokenizer."""
+    if not settings.init_from:
+        return build_model(settings.model_name, replace(settings.model,
+                                                        vocab_size=corpus.vocab_size)), None
+    hf_dir = Path(settings.init_from).expanduser()
+    if settings.model_name != "rwkv":
+        raise UserError(f"--init-from takes an RWKV-4 model; model.name is {settings.model_name}")
+    try:
+        config = hf.config_from_hf(hf.read_config(hf_dir))
+    except hf.HFFormatError as exc:
+        raise UserError(f"--init-from {hf_dir}: {exc}") from None
+    if config.vocab_size != corpus.vocab_size:
+        raise UserError(f"--init-from {hf_dir}: the model has a vocabulary of "
+                        f"{config.vocab_size:,} tokens, the data {corpus.name} of "
+                        f"{corpus.vocab_size:,}; prepare the data with its tokenizer: p2ptrain "
+                        f"data prepare FILES --tokenizer {hf_dir / TOKENIZER_FILE} --out DIR")
+    tokenizer = hf_dir / TOKENIZER_FILE
+    if tokenizer.is_file() and sha256_file(tokenizer)[:16] != corpus.tokenizer_id:
+        raise UserError(f"--init-from {hf_dir}: the data {corpus.name} was prepared with "
+                        f"another tokenizer (tokenizer {corpus.tokenizer_id}, the model's "
+                        f"{sha256_file(tokenizer)[:16]}); prepare it with --tokenizer "
+                        f"{tokenizer}")
+    config = replace(config, ctx_len=settings.model.ctx_len,
+                     wkv_chunk=settings.model.wkv_chunk)  # training window: ours
+    return build_model("rwkv", config), hf_dir
+
+
+def initialize_from_hf(learner: Learner, hf_dir: Path) -> None:
+    """Load an HF RWKV-4 directory's weights into the learner (fp32, fp16 or bf16 tensors)."""
+    try:
+        hf.load_hf(hf_dir, learner.model.config.wkv_chunk, into=learner.params)
+    except hf.HFFormatError as exc:
+        raise UserError(f"--init-from {hf_dir}: {exc}") from None
 
 
 def member_info(learner: Learner, hw: Any, addr: str, priority: int,
@@ -129,6 +173,6 @@ def member_info(learner: Learner, hw: Any, addr: str, priority: int,
     model = learner.model
     fields = {"arch": json.dumps(model.arch(), sort_keys=True),
               "layout": model.space.fingerprint(), "vocab": str(model.vocab_size),
-              "mode": "full"}
+              "tokenizer": learner.tokenizer_id, "mode": "full"}
     return MemberInfo(learner.node_id, addr, hw.device_class, float(hw.matmul_gflops),
                       priority, learner.fingerprint, fields, outbound_only)

@@ -33,6 +33,8 @@ from p2ptrain.models.hf import (
     export_hf,
     load_hf,
 )
+from p2ptrain.models.presets import PILE_VOCAB, PRESETS
+from p2ptrain.models.presets import params as preset_params
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
 from p2ptrain.sample import generate
 from tests.helpers import REPO, cli_env, run_cli
@@ -303,3 +305,74 @@ def test_package_never_imports_torch_or_transformers():
             "sys.exit(any(m in sys.modules for m in ('torch', 'transformers')))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), timeout=60)
     assert r.returncode == 0
+
+
+# ---------------------------------------------------------------- presets and --init-from
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_each_presets_parameter_count_equals_the_hf_models(hf, name):
+    n_layer, n_embd = PRESETS[name]
+    config = RWKVConfig(vocab_size=PILE_VOCAB, n_layer=n_layer, n_embd=n_embd)
+    with hf.torch.device("meta"):  # shapes only: no memory for 1.5B parameters
+        theirs = hf.tf.RwkvForCausalLM(hf.tf.RwkvConfig(**config_to_hf(config)))
+    assert preset_params(config) == sum(p.numel() for p in theirs.parameters())
+    if n_embd <= 768:
+        assert RWKV(config).space.n_params == preset_params(config)
+
+
+def test_config_show_names_the_preset_and_its_parameters():
+    r = run_cli("config", "show", "--preset", "rwkv-169m")
+    assert r.returncode == 0, r.stderr
+    assert "n_layer 12, n_embd 768" in r.stdout and "169,342,464" in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_init_from_an_hf_model_gives_its_logits(hf, tmp_path, dtype):
+    """HF random model (its tokenizer included) -> data prepared with that tokenizer ->
+    `p2ptrain join --init-from` -> the node's weights give HF's logits."""
+    from tests.test_tokens import TEXT, bpe
+
+    tokenizer = bpe(tmp_path / "tok" / "tokenizer.json", TEXT, vocab=300)
+    model = random_hf_model(hf).to(getattr(hf.torch, dtype))
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    (hf_dir / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    corpus = tmp_path / "corpus"
+    assert run_cli("data", "prepare", str(REPO / "p2ptrain" / "data" / "tinyshakespeare.txt"),
+                   "--tokenizer", str(hf_dir / "tokenizer.json"), "--out",
+                   str(corpus)).returncode == 0
+    state = tmp_path / "state"
+    r = run_cli("join", "--init-from", str(hf_dir), "--data", str(corpus), "--state-dir",
+                str(state), "--steps", "1", "--lr", "0", "--log-format", "json", "--batch", "1")
+    assert r.returncode == 0, r.stderr
+    assert '"event": "init_from"' in r.stdout
+    from p2ptrain import checkpoint
+
+    path = checkpoint.list_checkpoints(state / "checkpoints")[0]
+    manifest = checkpoint.read_manifest(path)
+    ours = RWKV(RWKVConfig(**{k: v for k, v in manifest.arch.items() if k != "model"}))
+    flat = ours.space.zeros()
+    checkpoint.load_tensors(path, checkpoint.MODEL_FILE, ours.space.views(flat))
+    ids = token_ids(300, seed=11)
+    reference = hf_logits(hf, model.float(), ids)
+    assert np.abs(ours.logits(flat, ids) - reference).max() <= TOL
+
+
+def test_init_from_refuses_data_of_another_tokenizer(hf, tmp_path):
+    from tests.test_tokens import TEXT, bpe
+
+    hf_dir = tmp_path / "hf"
+    random_hf_model(hf).save_pretrained(hf_dir)
+    bpe(hf_dir / "tokenizer.json", TEXT, vocab=300)
+    other = bpe(tmp_path / "other.json", TEXT[::-1], vocab=300)
+    corpus = tmp_path / "corpus"
+    assert run_cli("data", "prepare", str(REPO / "p2ptrain" / "data" / "tinyshakespeare.txt"),
+                   "--tokenizer", str(other), "--out", str(corpus)).returncode == 0
+    r = run_cli("join", "--init-from", str(hf_dir), "--data", str(corpus), "--state-dir",
+                str(tmp_path / "s"), "--steps", "1")
+    assert r.returncode == 2 and "prepared with another tokenizer" in r.stderr, r.stderr
+    r = run_cli("join", "--init-from", str(hf_dir), "--state-dir", str(tmp_path / "s2"),
+                "--steps", "1")  # bytes: vocabulary 256, the model's 300
+    assert r.returncode == 2 and "vocabulary of 300 tokens" in r.stderr, r.stderr

@@ -11,6 +11,7 @@ from p2ptrain.checkpoint.manifest import (
     ManifestError,
 )
 from p2ptrain.checkpoint.store import (
+    TOKENIZER_META_KEY,
     CheckpointMismatch,
     Found,
     Snapshot,
@@ -27,5 +28,5 @@ __all__ = [
     "DATA_FILES", "MANIFEST_FILE", "MODEL_FILE", "STATE_FILE", "CheckpointError",
     "CheckpointMismatch", "Found", "Manifest", "ManifestError", "Snapshot", "find_latest",
     "list_checkpoints", "load_tensors", "read_manifest", "save", "stale_temporaries",
-    "state_meta",
+    "state_meta", "TOKENIZER_META_KEY",
 ]

@@ -48,6 +48,7 @@ CHUNKS_WANTED = 64  # a file is cut into at least this many chunks while they st
 NAME_RE = re.compile(r"ckpt-t([0-9]{6,})-s([0-9]{10,})")  # use with fullmatch
 TMP_PREFIX = ".tmp-ckpt-"
 STATE_META_KEY = "p2ptrain.state"
+TOKENIZER_META_KEY = "p2ptrain.tokenizer"  # model.safetensors metadata: the tokenizers document
 
 
 class CheckpointMismatch(CheckpointError):
@@ -66,6 +67,7 @@ class Snapshot:
     model_tensors: list[tuple[str, np.ndarray]]  # named weight views
     state_tensors: list[tuple[str, np.ndarray]]  # optimiser moments etc.
     state_meta: dict = field(default_factory=dict)  # JSON-able resume data
+    model_meta: dict[str, str] = field(default_factory=dict)  # more metadata of the weights
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -121,7 +123,8 @@ def save(
             model_progress = lambda done, total: progress(MODEL_FILE, done, total)  # noqa: E731
         digests = {
             MODEL_FILE: write_safetensors(tmp / MODEL_FILE, snap.model_tensors,
-                                          {"format": "pt", "p2ptrain.arch": json.dumps(snap.arch)},
+                                          {"format": "pt", "p2ptrain.arch": json.dumps(snap.arch),
+                                           **snap.model_meta},
                                           chunk_size_for(_nbytes(snap.model_tensors)),
                                           model_progress),
             STATE_FILE: write_safetensors(tmp / STATE_FILE, snap.state_tensors,

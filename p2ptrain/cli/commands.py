@@ -50,17 +50,62 @@ def dispatch(args: argparse.Namespace) -> int:
         from p2ptrain.cli.modelcmds import cmd_export
 
         return cmd_export(args)
+    if args.command == "data":
+        from p2ptrain.cli.datacmds import cmd_data
+
+        return cmd_data(args)
     raise UserError(f"unknown command {args.command}")
 
 
 def cmd_config_show(args) -> int:
-    sys.stdout.write(to_toml(resolve_config(args)))
+    cfg = resolve_config(args)
+    sys.stdout.write(to_toml(cfg))
+    sys.stdout.write(model_summary(cfg))
     return 0
+
+
+def model_summary(cfg) -> str:
+    """Comment lines: the model this configuration trains (its shape after a preset, its
+    parameters with the data's vocabulary) and every preset's size."""
+    from dataclasses import fields, replace
+
+    from p2ptrain.config import ConfigError
+    from p2ptrain.data.tokens import TokenDataError, is_prepared, open_prepared
+    from p2ptrain.models import build_model, presets
+    from p2ptrain.models.rwkv import RWKVConfig
+
+    try:
+        config = cfg.model_config()
+    except (ConfigError, ValueError) as exc:
+        return f"\n# model: {exc}\n"
+    vocab, where = 256, "bytes"
+    path = Path(cfg["data.path"]).expanduser() if cfg["data.path"] else None
+    if path is not None and is_prepared(path):
+        try:
+            vocab, where = open_prepared(path).vocab_size, f"the data's, {path}"
+        except TokenDataError as exc:
+            return f"\n# model: the data cannot be read: {exc}\n"
+    name = cfg["model.name"]
+    n = build_model(name, replace(config, vocab_size=vocab)).space.n_params
+    shape = ", ".join(f"{f.name} {getattr(config, f.name)}" for f in fields(config)
+                      if f.name != "vocab_size")
+    preset = f" (preset {cfg['model.preset']})" if cfg["model.preset"] else ""
+    lines = [f"# model: {name}{preset}: {shape}: {n:,} parameters with a vocabulary of "
+             f"{vocab:,} ({where})"]
+    if cfg["model.init_from"]:
+        lines.append(f"#   (the shape and vocabulary of {cfg['model.init_from']} replace these "
+                     f"when it is read)")
+    lines.append(f"# presets (parameters with the RWKV-4 vocabulary of {presets.PILE_VOCAB:,}):")
+    for key, (n_layer, n_embd) in presets.PRESETS.items():
+        count = presets.params(RWKVConfig(vocab_size=presets.PILE_VOCAB, n_layer=n_layer,
+                                          n_embd=n_embd))
+        lines.append(f"#   {key:10s} {count:>15,}  n_layer {n_layer}, n_embd {n_embd}")
+    return "\n" + "\n".join(lines) + "\n"
 
 
 def cmd_sample(args) -> int:
     from p2ptrain.models import model_from_arch
-    from p2ptrain.sample import Printable, generate
+    from p2ptrain.sample import Printable, TokenText, generate
 
     if args.length < 0:
         raise UserError("--length must be >= 0")
@@ -72,21 +117,44 @@ def cmd_sample(args) -> int:
     except ValueError as exc:
         raise UserError(f"{path.name}: {exc}") from None
     params = model.space.zeros()
-    checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(params))
-    prompt = args.prompt.encode("utf-8")
+    meta = checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(params))
     out = sys.stdout.buffer
-    text = None if args.raw else Printable()
+    rng = np.random.default_rng(args.seed)
+    if checkpoint.TOKENIZER_META_KEY in meta:  # a tokenized model: its tokenizer decodes
+        tokenizer = tokenizer_of(meta[checkpoint.TOKENIZER_META_KEY], path)
+        prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
+        text = TokenText(tokenizer)
+        out.write(text.feed(prompt).encode("utf-8"))
+        start = (tokenizer.encode("\n", add_special_tokens=False).ids or [0])[0]
+        for token in generate(model, params, prompt, args.length, args.temperature, rng,
+                              start):
+            out.write(text.feed([token]).encode("utf-8"))
+            out.flush()
+        out.write(b"\n")
+        return 0
+    prompt_bytes = args.prompt.encode("utf-8")
+    printable = None if args.raw else Printable()
 
     def write(data: bytes, final: bool = False) -> None:
-        out.write(data if text is None else text.feed(data, final).encode("utf-8"))
+        out.write(data if printable is None else printable.feed(data, final).encode("utf-8"))
         out.flush()
 
-    write(prompt)
-    for byte in generate(model, params, prompt, args.length, args.temperature,
-                         np.random.default_rng(args.seed)):
+    write(prompt_bytes)
+    for byte in generate(model, params, prompt_bytes, args.length, args.temperature, rng):
         write(bytes([byte]))
     write(b"\n", final=True)
     return 0
+
+
+def tokenizer_of(document: str, where: Path):
+    """The `tokenizers` tokenizer a checkpoint carries (its weights' metadata)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(document)
+    except Exception as exc:  # the library raises its own exception types
+        raise UserError(f"{where.name}: the tokenizer it carries does not load: "
+                        f"{str(exc)[:120]}") from None
 
 
 def cmd_hw(args) -> int:

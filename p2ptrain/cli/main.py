@@ -52,8 +52,9 @@ def _add_option_flags(parser: argparse.ArgumentParser, keys: list[str]) -> None:
 SWARM_KEYS = ["swarm.token", "swarm.token_file"]
 NET_KEYS = ["net.port", "net.bind", "net.advertise", "net.peers", "net.outbound_only",
             "net.max_upload_mbps", "node.priority", "node.alone"]
-JOIN_KEYS = ["model.name", "data.path", "node.state_dir", "train.batch", "train.lr",
-             "train.seed", "train.steps", "train.duration", "log.format"]
+JOIN_KEYS = ["model.name", "model.preset", "model.init_from", "data.path", "node.state_dir",
+             "train.batch", "train.lr", "train.seed", "train.steps", "train.duration",
+             "log.format"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     hw = sub.add_parser("hw", help="show detected hardware and the batch size it gives")
     hw.add_argument("--json", action="store_true", help="one JSON document on stdout")
     hw.add_argument("--config", help="TOML configuration file (model and target step time)")
-    _add_option_flags(hw, ["model.name"])
+    _add_option_flags(hw, ["model.name", "model.preset"])
 
     bench = sub.add_parser("bench", help="measure training and codec speed", description=(
         "Without a target: training tokens/s of the model, its achieved FLOP/s, and this "
@@ -155,10 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--config", help="TOML configuration file [env P2PTRAIN_CONFIG]")
     _add_option_flags(show, SWARM_KEYS + NET_KEYS + JOIN_KEYS)
 
+    from p2ptrain.cli.datacmds import add_data_parser
     from p2ptrain.cli.keycmds import add_key_parser
     from p2ptrain.cli.modelcmds import add_export_parser
 
     add_export_parser(sub)
+    add_data_parser(sub)
     add_key_parser(sub)
     return p
 

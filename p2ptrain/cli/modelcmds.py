@@ -25,8 +25,9 @@ def add_export_parser(sub) -> None:
             "RwkvForCausalLM.from_pretrained(OUT) / AutoTokenizer.from_pretrained(OUT) and "
             "generate(). Only the built-in rwkv model exports (it is the RWKV-4 architecture "
             "of RwkvForCausalLM; logits agree to float32 precision). The tokenizer is "
-            "--tokenizer if given, else the byte-level one (token id = byte) for 256-token "
-            "models. OUT must not exist or be empty; it appears complete or not at all."),
+            "--tokenizer if given, else the one a model trained on prepared data carries, "
+            "else the byte-level one (token id = byte) for 256-token models. OUT must not "
+            "exist or be empty; it appears complete or not at all."),
         epilog="Example: p2ptrain export --format hf --checkpoint ~/.p2ptrain --out rwkv-hf")
     export.add_argument("--format", choices=FORMATS, default="hf",
                         help="output format: hf = Hugging Face transformers (default)")
@@ -55,10 +56,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"{path.name} holds the {model.name!r} model; only the built-in rwkv "
                         f"exports to Hugging Face format")
     params = model.space.zeros()
-    checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(params))
+    meta = checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(params))
     out = Path(args.out).expanduser()
     try:
-        written = export_hf(model, params, out, tokenizer=args.tokenizer)
+        written = export_hf(model, params, out, tokenizer=args.tokenizer,
+                            tokenizer_document=meta.get(checkpoint.TOKENIZER_META_KEY))
     except HFFormatError as exc:
         raise UserError(str(exc)) from None
     print(f"exported {path} (step {manifest.step}, {model.space.n_params:,} parameters) "

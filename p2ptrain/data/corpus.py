@@ -1,9 +1,11 @@
 """Loading a corpus of byte tokens and splitting it into training and held-out parts.
 
 Accepted sources: the built-in Tiny Shakespeare (no path), a text file, a directory of text
-files (read in sorted order, joined by a newline), or a `.npy` array of integer tokens. Text is
-read as raw bytes: the vocabulary is the 256 byte values. Every failure is a DataError with a
-one-line message naming the path and the problem.
+files (read in sorted order, joined by a newline), a `.npy` array of byte tokens -- all
+byte-level: the vocabulary is the 256 byte values -- or a corpus made by `p2ptrain data
+prepare` (a directory with meta.json: token-id shards read through memmaps, its vocabulary
+and tokenizer from there; tokens.py). Every failure is a DataError with a one-line message
+naming the path and the problem.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from p2ptrain.data.tokens import TokenDataError, TokenShards, is_prepared, open_prepared
+
 VOCAB_SIZE = 256
 BUILTIN_NAME = "tinyshakespeare"
 TEXT_SUFFIXES = {".txt", ".md", ".text", ".rst", ".csv", ".json", ".py", ".tex", ""}
@@ -23,13 +27,29 @@ class DataError(Exception):
     """The data source cannot be used; the message says why, in one line."""
 
 
+def _load_prepared(root: Path, min_tokens: int) -> Corpus:
+    try:
+        prepared = open_prepared(root)
+    except TokenDataError as exc:
+        raise DataError(str(exc)) from None
+    for split, tokens in (("training", prepared.train), ("held-out", prepared.heldout)):
+        if tokens.size < min_tokens:
+            raise DataError(f"{root}: the {split} split has {tokens.size} tokens; it needs at "
+                            f"least {min_tokens} (one window of the model's context)")
+    return Corpus(str(root), prepared.train, prepared.heldout, prepared.vocab_size,
+                  prepared.tokenizer_json, prepared.tokenizer_id)
+
+
 @dataclass(frozen=True)
 class Corpus:
     """Token ids (uint8 for bytes) split into train and held-out parts."""
 
     name: str  # where it came from: "tinyshakespeare" or a path
-    train: np.ndarray  # (N_train,) tokens
-    heldout: np.ndarray  # (N_heldout,) tokens: the last `holdout_fraction` of the source
+    train: np.ndarray | TokenShards  # (N_train,) tokens
+    heldout: np.ndarray | TokenShards  # (N_heldout,) tokens: the last part of the source
+    vocab_size: int = VOCAB_SIZE
+    tokenizer_json: str | None = None  # the tokenizers document (None: bytes)
+    tokenizer_id: str = "bytes"  # what nodes compare: sha256 of tokenizer.json, 16 hex
 
 
 def _builtin_bytes() -> bytes:
@@ -76,6 +96,8 @@ def load_corpus(path: str | None, holdout_fraction: float, min_tokens: int) -> C
     `min_tokens` is the smallest usable split (one training window plus its target)."""
     if not 0.0 < holdout_fraction < 1.0:
         raise DataError(f"holdout fraction must lie in (0, 1), got {holdout_fraction}")
+    if path and is_prepared(Path(path).expanduser()):
+        return _load_prepared(Path(path).expanduser(), min_tokens)
     if path:
         p = Path(path).expanduser()
         tokens, name = _read_tokens(p), str(p)

@@ -22,12 +22,14 @@ def build_model(name: str, config=None) -> Model:
 
 
 
-
-def fingerprint(model: Model) -> str:
+def fingerprint(model: Model, tokenizer: str = "bytes") -> str:
     """Configuration fingerprint: equal on two nodes iff their flat vectors are
-    interchangeable (architecture, parameter layout, vocabulary, training mode)."""
+    interchangeable (architecture, parameter layout, vocabulary, tokenizer, training mode).
+    Byte-level models leave the tokenizer out, as before tokenizers existed."""
     body = {"arch": model.arch(), "layout": model.space.fingerprint(),
             "vocab": model.vocab_size, "mode": "full"}
+    if tokenizer != "bytes":
+        body["tokenizer"] = tokenizer
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 

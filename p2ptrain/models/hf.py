@@ -249,9 +249,10 @@ def _widen_into(raw: np.ndarray, dtype: str, dest: np.ndarray) -> None:
         np.copyto(dest, raw, casting="same_kind")
 
 
-def load_hf(hf_dir: str | os.PathLike,
-            wkv_chunk: int = RWKVConfig.wkv_chunk) -> tuple[RWKVConfig, np.ndarray]:
-    """The config and the flat float32 parameters (our ParamSpace) of an HF RWKV-4 directory.
+def load_hf(hf_dir: str | os.PathLike, wkv_chunk: int = RWKVConfig.wkv_chunk,
+            into: np.ndarray | None = None) -> tuple[RWKVConfig, np.ndarray]:
+    """The config and the flat float32 parameters (our ParamSpace) of an HF RWKV-4 directory
+    (read into `into`, a flat buffer of that space, when given).
 
     Every tensor's name, shape and dtype is checked in every file before any data is read;
     missing, unknown, duplicated and non-finite tensors are refused (HFFormatError). Memory:
@@ -291,7 +292,9 @@ def load_hf(hf_dir: str | os.PathLike,
         raise HFFormatError(f"missing tensors: {', '.join(missing[:5])}"
                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
-    flat = model.space.zeros(np.float32)
+    if into is not None and (into.dtype != np.float32 or into.shape != (model.space.size,)):
+        raise ValueError(f"`into` must be a float32 vector of {model.space.size} values")
+    flat = into if into is not None else model.space.zeros(np.float32)
     views = model.space.views(flat)
     for file, header, start, names in plan:
         with open(hf_dir / file, "rb") as f:
@@ -364,12 +367,14 @@ def export_tensors(model: RWKV, flat: np.ndarray) -> Iterator[tuple[str, np.ndar
 
 
 def export_hf(model: RWKV, flat: np.ndarray, out_dir: str | os.PathLike,
-              tokenizer: str | os.PathLike | None = None) -> list[str]:
+              tokenizer: str | os.PathLike | None = None,
+              tokenizer_document: str | None = None) -> list[str]:
     """Write `flat` (our layout, float32) as an RwkvForCausalLM directory `out_dir`, which
     must not exist or be empty. Returns the file names written.
 
-    The tokenizer: `tokenizer` (a tokenizer.json) is copied; else a byte model (vocab 256)
-    gets the byte-level tokenizer; else none is written. The directory appears whole or not
+    The tokenizer: `tokenizer` (a tokenizer.json) is copied; else `tokenizer_document` (the
+    one a tokenized checkpoint carries) is written; else a byte model (vocab 256) gets the
+    byte-level tokenizer; else none is written. The directory appears whole or not
     at all: written into a temporary sibling, fsynced, renamed, the parent fsynced."""
     if not isinstance(model, RWKV):
         raise HFFormatError(f"only the built-in rwkv exports to Hugging Face format, "
@@ -390,6 +395,13 @@ def export_hf(model: RWKV, flat: np.ndarray, out_dir: str | os.PathLike,
             raise HFFormatError(f"tokenizer {tokenizer}: unreadable ({exc})") from None
         if not isinstance(tok_doc, dict) or "model" not in tok_doc:
             raise HFFormatError(f"tokenizer {tokenizer}: not a tokenizers tokenizer.json")
+    elif tokenizer_document is not None:
+        try:
+            tok_doc = json.loads(tokenizer_document)
+        except json.JSONDecodeError as exc:
+            raise HFFormatError(f"the checkpoint's tokenizer is unreadable ({exc})") from None
+        if not isinstance(tok_doc, dict) or "model" not in tok_doc:
+            raise HFFormatError("the checkpoint's tokenizer is not a tokenizers document")
     elif model.vocab_size == 256:
         tok_doc = byte_tokenizer()
 

@@ -1,0 +1,202 @@
+"""`p2ptrain data prepare`: text files in, token-id shards out (the format: tokens.py).
+
+Inputs are text files or directories of them (read in sorted order, as the byte corpus is),
+tokenized with a Hugging Face `tokenizers` document (`tokenizer.json`) in blocks of whole
+lines, and streamed to shards of at most `shard_tokens` ids, so a corpus larger than memory
+works. The last `holdout_fraction` of the tokens is the held-out split (the same rule as the
+byte corpus: the tail). Everything is written into a temporary directory next to `out` and
+renamed into place at the end: `out` holds a complete prepared corpus or nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from p2ptrain.data.corpus import TEXT_SUFFIXES
+from p2ptrain.data.tokens import (
+    DTYPES,
+    FORMAT,
+    META_FILE,
+    TOKENIZER_FILE,
+    TokenDataError,
+    dtype_for,
+    sha256_file,
+)
+from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
+
+BLOCK_BYTES = 8 * 2**20  # text tokenized at once (cut at a line end)
+SHARD_TOKENS = 2**27  # ids per shard (256 MiB of uint16)
+
+
+@dataclass(frozen=True)
+class Summary:
+    out: Path
+    vocab_size: int
+    train_tokens: int
+    heldout_tokens: int
+    input_bytes: int
+    shards: int
+
+
+def input_files(inputs: list[Path]) -> list[Path]:
+    files: list[Path] = []
+    for path in inputs:
+        if not path.exists():
+            raise TokenDataError(f"input {path} does not exist")
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file()
+                           and p.suffix in TEXT_SUFFIXES)
+            if not found:
+                raise TokenDataError(f"input directory {path} holds no text files")
+            files += found
+        else:
+            files.append(path)
+    return files
+
+
+def _blocks(path: Path) -> Iterator[str]:
+    """The file's text in blocks of whole lines (invalid UTF-8 becomes U+FFFD)."""
+    with open(path, "rb") as f:
+        rest = b""
+        while block := f.read(BLOCK_BYTES):
+            block = rest + block
+            cut = block.rfind(b"\n") + 1
+            if cut == 0:
+                rest = block
+                continue
+            rest = block[cut:]
+            yield block[:cut].decode("utf-8", "replace")
+        if rest:
+            yield rest.decode("utf-8", "replace")
+
+
+class _ShardWriter:
+    """Token ids to numbered part files of at most `limit` ids each."""
+
+    def __init__(self, root: Path, dtype: np.dtype, limit: int):
+        self.root, self.dtype, self.limit = root, dtype, limit
+        self.parts: list[tuple[Path, int]] = []
+        self._file = None
+        self._count = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = ids.astype(self.dtype, copy=False)
+        while ids.size:
+            if self._file is None or self._count == self.limit:
+                self._next()
+            take = min(ids.size, self.limit - self._count)
+            self._file.write(ids[:take].tobytes())
+            self._count += take
+            self.parts[-1] = (self.parts[-1][0], self._count)
+            ids = ids[take:]
+
+    def _next(self) -> None:
+        self.close()
+        path = self.root / f"part-{len(self.parts):05d}.bin"
+        self._file, self._count = open(path, "wb"), 0  # noqa: SIM115 (closed by close())
+        self.parts.append((path, 0))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+
+def _split(tmp: Path, parts: list[tuple[Path, int]], cut: int, dtype: np.dtype
+           ) -> dict[str, list[dict]]:
+    """Rename the parts to train-/heldout- shards, splitting the one that straddles `cut`."""
+    out: dict[str, list[dict]] = {"train": [], "heldout": []}
+
+    def add(split: str, src: Path | np.ndarray, tokens: int) -> None:
+        name = f"{split}-{len(out[split]):05d}.bin"
+        if isinstance(src, Path):
+            os.rename(src, tmp / name)
+        else:
+            with open(tmp / name, "wb") as f:
+                f.write(src.tobytes())
+                os.fsync(f.fileno())
+        out[split].append({"file": name, "tokens": tokens})
+
+    start = 0
+    for path, count in parts:
+        end = start + count
+        if end <= cut:
+            add("train", path, count)
+        elif start >= cut:
+            add("heldout", path, count)
+        else:  # this part straddles the cut
+            ids = np.fromfile(path, dtype=dtype)
+            add("train", ids[: cut - start], cut - start)
+            add("heldout", ids[cut - start :], end - cut)
+            path.unlink()
+        start = end
+    return out
+
+
+def prepare(inputs: list[Path], tokenizer_path: Path, out: Path, holdout_fraction: float = 0.1,
+            shard_tokens: int = SHARD_TOKENS, progress: bool | None = None,
+            say: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> Summary:
+    """Tokenize `inputs` with `tokenizer_path` into a prepared corpus at `out`."""
+    if out.exists():
+        raise TokenDataError(f"output {out} exists; remove it or choose another --out")
+    if not 0.0 < holdout_fraction < 1.0:
+        raise TokenDataError(f"holdout fraction must lie in (0, 1), got {holdout_fraction}")
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    except Exception as exc:  # the library raises its own exception types
+        raise TokenDataError(f"{tokenizer_path} is not a tokenizers document: "
+                             f"{str(exc)[:120]}") from None
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype_name = dtype_for(vocab)
+    files = input_files(inputs)
+    total_bytes = sum(p.stat().st_size for p in files)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        writer = _ShardWriter(tmp, DTYPES[dtype_name], shard_tokens)
+        show = sys.stderr.isatty() if progress is None else progress
+        with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
+                  disable=not show) as bar:
+            for path in files:
+                for block in _blocks(path):
+                    encoded = tokenizer.encode_batch(block.splitlines(keepends=True),
+                                                     add_special_tokens=False)
+                    writer.write(np.fromiter(itertools.chain.from_iterable(
+                        e.ids for e in encoded), dtype=np.int64))
+                    bar.update(len(block.encode("utf-8", "replace")))
+                if not show:
+                    say(f"tokenized {path}")
+        writer.close()
+        total = sum(n for _, n in writer.parts)
+        cut = int(round(total * (1.0 - holdout_fraction)))
+        if total < 2 or cut == 0 or cut == total:
+            raise TokenDataError(f"the inputs give {total} tokens: too few to split")
+        shards = _split(tmp, writer.parts, cut, DTYPES[dtype_name])
+        shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+        meta = {"format": FORMAT, "vocab_size": vocab, "dtype": dtype_name,
+                "tokenizer_sha256": sha256_file(tmp / TOKENIZER_FILE), "tokens": total,
+                "holdout_fraction": holdout_fraction, **shards,
+                "sources": [str(p) for p in files][:1000]}
+        atomic_write_bytes(tmp / META_FILE, json.dumps(meta, indent=1).encode())
+        fsync_dir(tmp)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Summary(out, vocab, cut, total - cut, total_bytes,
+                   len(shards["train"]) + len(shards["heldout"]))

@@ -1,0 +1,158 @@
+"""A prepared corpus on disk: token-id shards read through `np.memmap`, and their meta.
+
+    DIR/meta.json        {"format", "vocab_size", "dtype", "tokenizer_sha256", "tokens",
+                          "holdout_fraction", "train": [shard, ...], "heldout": [...],
+                          "sources": [...]}; a shard is {"file", "tokens"}
+    DIR/tokenizer.json   the Hugging Face `tokenizers` document the ids came from
+    DIR/train-00000.bin  raw little-endian token ids (uint16 when the vocabulary fits, else
+                         uint32), back to back; DIR/heldout-00000.bin the same
+
+`data prepare` writes it (prepare.py); `join --data DIR` reads it here, so a corpus larger
+than memory works: only the pages a window touches are read. Everything is hostile until
+checked: the meta's shape and types, shard names (plain file names in DIR), shard sizes
+against their token counts, the tokenizer's hash, and -- when a window is read -- no id at
+or above the vocabulary (checked per window, as a memmap is never read whole).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "p2ptrain-tokens/1"
+META_FILE, TOKENIZER_FILE = "meta.json", "tokenizer.json"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+SHARD_RE = re.compile(r"(train|heldout)-[0-9]{5}\.bin")
+MAX_META_BYTES = 16 * 2**20
+MAX_VOCAB = 2**31
+
+
+class TokenDataError(Exception):
+    """A prepared corpus cannot be used; the message says why, in one line."""
+
+
+def dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class TokenShards:
+    """The concatenation of a split's shards, read lazily: `size`, and slices `[a:b]` (which
+    may cross shard boundaries) as arrays, with every id checked against the vocabulary."""
+
+    def __init__(self, maps: list[np.ndarray], vocab_size: int):
+        self.maps, self.vocab_size = maps, vocab_size
+        self.starts = np.cumsum([0] + [m.size for m in maps])
+        self.size = int(self.starts[-1])
+        self.dtype = maps[0].dtype if maps else np.dtype("<u2")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("token shards take plain slices")
+        a, b, _ = key.indices(self.size)
+        parts = []
+        first = int(np.searchsorted(self.starts, a, side="right")) - 1
+        i = max(first, 0)
+        while a < b and i < len(self.maps):
+            lo = a - int(self.starts[i])
+            take = min(b - a, self.maps[i].size - lo)
+            parts.append(self.maps[i][lo : lo + take])
+            a += take
+            i += 1
+        out = np.concatenate(parts) if len(parts) != 1 else np.asarray(parts[0])
+        if out.size and int(out.max()) >= self.vocab_size:
+            raise TokenDataError(f"a token id {int(out.max())} is not below the vocabulary "
+                                 f"size {self.vocab_size} (the shards are damaged)")
+        return out
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prepared corpus, opened."""
+
+    root: Path
+    vocab_size: int
+    tokenizer_json: str  # the tokenizer document (for sample, export and the hash)
+    tokenizer_id: str  # sha256 of tokenizer.json, first 16 hex digits
+    train: TokenShards
+    heldout: TokenShards
+
+
+def is_prepared(path: Path) -> bool:
+    return path.is_dir() and (path / META_FILE).is_file()
+
+
+def _count(value: object, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise TokenDataError(f"meta.json: {what} is not a count")
+    return value
+
+
+def _shards(root: Path, meta: dict, split: str, dtype: np.dtype, vocab: int) -> TokenShards:
+    listed = meta.get(split)
+    if not isinstance(listed, list) or not listed or len(listed) > 100_000:
+        raise TokenDataError(f"meta.json: `{split}` must list its shards")
+    maps = []
+    for entry in listed:
+        if not isinstance(entry, dict) or set(entry) != {"file", "tokens"}:
+            raise TokenDataError(f"meta.json: a {split} shard entry is malformed")
+        name, tokens = entry["file"], _count(entry["tokens"], "a shard's tokens")
+        if not isinstance(name, str) or not SHARD_RE.fullmatch(name) \
+                or not name.startswith(split):
+            raise TokenDataError(f"meta.json: {str(name)[:60]!r} is not a {split} shard name")
+        path = root / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise TokenDataError(f"{root}: shard {name} is missing") from None
+        if size != tokens * dtype.itemsize:
+            raise TokenDataError(f"{root}: shard {name} has {size} bytes, meta.json says "
+                                 f"{tokens} tokens of {dtype.itemsize} bytes (truncated?)")
+        if tokens:
+            maps.append(np.memmap(path, dtype=dtype, mode="r", shape=(tokens,)))
+    if not maps:
+        raise TokenDataError(f"{root}: the {split} split is empty")
+    return TokenShards(maps, vocab)
+
+
+def open_prepared(root: Path) -> Prepared:
+    """Open the prepared corpus in directory `root` (see the module docstring)."""
+    try:
+        with open(root / META_FILE, "rb") as f:
+            raw = f.read(MAX_META_BYTES + 1)
+        if len(raw) > MAX_META_BYTES:
+            raise TokenDataError(f"{root}: meta.json is larger than {MAX_META_BYTES} bytes")
+        meta = json.loads(raw)
+        tokenizer_bytes = (root / TOKENIZER_FILE).read_bytes()
+    except FileNotFoundError as exc:
+        raise TokenDataError(f"{root}: {Path(exc.filename).name} is missing") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise TokenDataError(f"{root}: meta.json is unreadable ({str(exc)[:80]})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise TokenDataError(f"{root}: not a {FORMAT} corpus (made by `p2ptrain data prepare`)")
+    vocab = _count(meta.get("vocab_size"), "vocab_size")
+    if not 2 <= vocab <= MAX_VOCAB:
+        raise TokenDataError(f"meta.json: vocab_size {vocab} is out of range")
+    dtype_name = meta.get("dtype")
+    if dtype_name not in DTYPES or (dtype_name == "uint16" and vocab > 2**16):
+        raise TokenDataError(f"meta.json: dtype {str(dtype_name)[:20]!r} cannot hold the "
+                             f"vocabulary")
+    digest = hashlib.sha256(tokenizer_bytes).hexdigest()
+    if meta.get("tokenizer_sha256") != digest:
+        raise TokenDataError(f"{root}: tokenizer.json is not the one the shards were made with "
+                             f"(its hash differs from meta.json's)")
+    dtype = DTYPES[dtype_name]
+    return Prepared(root, vocab, tokenizer_bytes.decode("utf-8", "replace"), digest[:16],
+                    _shards(root, meta, "train", dtype, vocab),
+                    _shards(root, meta, "heldout", dtype, vocab))
