@@ -14,14 +14,15 @@ from p2ptrain.config import Config, settings_of
 from p2ptrain.data import load_corpus
 from p2ptrain.hw import matmul_gflops
 from p2ptrain.learner import Learner
-from p2ptrain.models import build_model
+from p2ptrain.startup import model_for
 
 
 def run_model_bench(cfg: Config, batch: int, seconds: float,
                     progress: Callable[[str], None] | None = None) -> dict:
     settings = settings_of(cfg)
-    model = build_model(settings.model_name, settings.model)
-    corpus = load_corpus(settings.data.path, settings.data.holdout_fraction, model.ctx_len + 2)
+    corpus = load_corpus(settings.data.path, settings.data.holdout_fraction,
+                         settings.model.ctx_len + 2)
+    model, _ = model_for(settings, corpus)  # the data's vocabulary, a preset, --init-from
     learner = Learner(model, "bench", settings.train, corpus, batch, 1, 1)
     if progress:
         progress(f"measuring {model.name} training for {seconds:g}s ...")
