@@ -403,10 +403,11 @@ class _Run:
                 await self.wait(REFRESH)
                 continue
             async with self.slots:  # bounds the chunks held in memory at once
-                chunk = self._pick(src, loop.time())
+                started = loop.time()
+                chunk = self._pick(src, started)
                 if chunk is not None:
                     task = asyncio.ensure_future(self._attempt(src, chunk))
-                    self.inflight.setdefault(chunk, {})[src] = (task, now)
+                    self.inflight.setdefault(chunk, {})[src] = (task, started)
                     try:
                         await asyncio.wait({task})
                     finally:
@@ -426,7 +427,7 @@ class _Run:
                 continue  # another source delivered it first
             exc = task.exception()
             if exc is None:
-                self._completed(src, chunk, loop.time() - now)
+                self._completed(src, chunk, loop.time() - started)
             else:
                 self._failed(src, chunk, exc, loop.time())
             self.notify()
