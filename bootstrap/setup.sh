@@ -6,7 +6,7 @@
 #   bootstrap/setup.sh --test     the same, plus the test tools (pytest, hypothesis, ruff, ...),
 #                                 CPU torch 2.13.0 and transformers (extra [hf]) and, as root,
 #                                 system packages the tests use (iproute2, iptables, shellcheck,
-#                                 docker.io, debootstrap) -- it says which before installing
+#                                 docker.io, debootstrap, chromium), saying which first
 #   bootstrap/setup.sh --venv DIR use another environment directory
 #
 # Then run: .venv/bin/p2ptrain join
@@ -80,13 +80,16 @@ if [ -n "$extras" ] && [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&
   # without root they skip, with a reason); the docker/ tests lint shell scripts: shellcheck;
   # the real-engine test (tests/test_docker_engine.py) starts Debian's Docker engine itself
   # (docker.io: dockerd, containerd, runc and the docker CLI; no service is started) and
-  # builds its base image offline from the Debian mirror: debootstrap
+  # builds its base image offline from the Debian mirror: debootstrap; the dashboard test
+  # (tests/test_dashboard.py) loads the page in headless chromium
   missing=""
   command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
   command -v iptables >/dev/null 2>&1 || missing="$missing iptables"
   command -v shellcheck >/dev/null 2>&1 || missing="$missing shellcheck"
   command -v dockerd >/dev/null 2>&1 || missing="$missing docker.io"
   command -v debootstrap >/dev/null 2>&1 || missing="$missing debootstrap"
+  command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 ||
+    missing="$missing chromium"
   if [ -n "$missing" ]; then
     say "installing test tools:$missing"
     # shellcheck disable=SC2086  # word splitting of the package list is intended

@@ -82,20 +82,21 @@ class Reporter:
         self.log.addHandler(_Flushing(lambda: self.err or sys.stderr, lines,
                                       lambda r: r.levelno >= logging.WARNING))
 
-    def _emit(self, level: int, event: str, text: str, fields: dict) -> None:
-        self.log.log(level, "%s", text, extra={"event": event, "fields": fields})
+    def _emit(self, level: int, event: str, text: str, fields: dict, prefix: str = "") -> None:
+        """A record whose `plain` attribute is the text without the text-mode `prefix` (for
+        handlers other than the output's, like the dashboard's event list)."""
+        self.log.log(level, "%s", (prefix if self.fmt == "text" else "") + text,
+                     extra={"event": event, "fields": fields, "plain": text})
 
     def info(self, text: str, event: str = "info", **fields) -> None:
         self._emit(logging.INFO, event, text, fields)
 
     def warn(self, text: str, event: str = "warning", **fields) -> None:
-        self._emit(logging.WARNING, event, ("warning: " if self.fmt == "text" else "") + text,
-                   fields)
+        self._emit(logging.WARNING, event, text, fields, prefix="warning: ")
 
     def error(self, text: str, event: str = "error", **fields) -> None:
         """A problem that ends the run (the CLI's own errors print the same way)."""
-        self._emit(logging.ERROR, event,
-                   ("p2ptrain: error: " if self.fmt == "text" else "") + text, fields)
+        self._emit(logging.ERROR, event, text, fields, prefix="p2ptrain: error: ")
 
     def progress(self, step: int, loss: float, eval_loss: float | None, tokens_per_s: float,
                  samples: int, swarm_samples: int, total_samples: int, lr: float,

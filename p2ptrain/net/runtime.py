@@ -43,6 +43,7 @@ from p2ptrain.net.saving import Saver, read_term, record_term
 from p2ptrain.net.server import Limits, Served, build_app, listen
 from p2ptrain.net.shelf import Shelf, shelved
 from p2ptrain.net.steps import Stepper
+from p2ptrain.net.watch import Watch
 from p2ptrain.proto import LeaderChanged, Node, Send, wire
 from p2ptrain.report import Reporter, human_count
 from p2ptrain.settings import Settings
@@ -311,9 +312,10 @@ class Runtime:
         net, reporter = self.settings.net, self.reporter
         self.loop = asyncio.get_running_loop()
         self.t0 = self.loop.time()
+        self.watch = Watch(reporter, self.now)  # the dashboard's history, from here on
         self._setup(reporter)
-        app = build_app(Served(self, self.auth, self.bucket, net.open_routes, Limits.of(net)),
-                        self.shelf)
+        app = build_app(Served(self, self.auth, self.bucket, net.open_routes, Limits.of(net),
+                               self.watch.document), self.shelf)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                                shutdown_timeout=min(5.0, self.settings.host.grace_seconds / 4))
         await runner.setup()
@@ -349,6 +351,7 @@ class Runtime:
             self.fetcher.advertise_soon()  # what we hold from earlier runs
             tasks = [self.loop.create_task(seed_loop(seeds, addr, found, warn)),
                      self.loop.create_task(every_second(self._check_reachability)),
+                     self.loop.create_task(self.watch.sample_loop(self.status)),
                      self.loop.create_task(progress_loop(self.settings.log.every_seconds,
                                                          self.status, self.now, reporter))]
             await self._stop.wait()
@@ -366,6 +369,7 @@ class Runtime:
             if self.outbox is not None:
                 await self.outbox.close()
             await runner.cleanup()
+            self.watch.close()
             self.step_pool.shutdown(wait=False, cancel_futures=True)  # a step in flight is
             self.io_pool.shutdown(wait=True)  # waited for above; a checkpoint write must end
         reporter.info(f"stopped: {self.stop_reason}; {self.learner.step} steps, "

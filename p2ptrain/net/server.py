@@ -3,7 +3,8 @@
     GET  /v1/health    open: 200 while the process and its protocol loop run
     GET  /v1/status    open: the node's status document (JSON)
     GET  /metrics      open: Prometheus text
-    GET  /             open: a dashboard page that polls /v1/status
+    GET  /v1/history   open: the node's recent past for the dashboard (history.py; JSON)
+    GET  /             open: the dashboard page (dashboard.py), which polls the two above
     GET  /v1/hello     swarm key: who this node is (id, incarnation, version), see hello.py
     GET  /v1/config    MAC: the swarm-wide configuration (for a node joining with a token)
     POST /v1/control   MAC: probes, acks, leases, claims, leave (small control messages)
@@ -107,8 +108,9 @@ class Served:
     host: Host
     auth: ServerAuth
     bucket: TokenBucket  # every body the server sends counts against the upload cap
-    open_routes: bool  # /v1/status, /metrics and / without a MAC
+    open_routes: bool  # /v1/status, /v1/history, /metrics and / without a MAC
     limits: Limits = field(default_factory=Limits)
+    history: Callable[[], dict[str, Any]] | None = None  # GET /v1/history's document (or 404)
 
 
 SERVED: web.AppKey[Served] = web.AppKey("served")
@@ -325,6 +327,15 @@ async def _status(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVED].host.status())
 
 
+async def _history(request: web.Request) -> web.Response:
+    history = request.app[SERVED].history
+    if history is None:
+        return _error(404, "this node keeps no history")
+    response = web.json_response(history())
+    response.enable_compression()  # up to some hundred kB of points, every few seconds
+    return response
+
+
 async def _metrics(request: web.Request) -> web.Response:
     body = metrics.render(request.app[METRICS])
     return web.Response(body=body, headers={"Content-Type": metrics.CONTENT_TYPE})
@@ -347,6 +358,7 @@ def build_app(served: Served, shelf: Shelf) -> web.Application:
     app.router.add_get("/v1/config", _config)
     app.router.add_get("/v1/health", _health)  # always open: Docker's HEALTHCHECK
     app.router.add_get("/v1/status", _open(_status))
+    app.router.add_get("/v1/history", _open(_history))
     app.router.add_get("/metrics", _open(_metrics))
     app.router.add_get("/", _open(_index))
     host = served.host

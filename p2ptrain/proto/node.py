@@ -431,7 +431,8 @@ class Node:
                 "averages_refused": trainer.guard.refused[peer]})
         mix = trainer.last_mix
         return {
-            "node_id": self.node_id, "phase": self.phase, "step": learner.step,
+            "node_id": self.node_id, "device_class": rows[0]["device_class"],
+            "phase": self.phase, "step": learner.step,
             "join": {"state": self.join.state, "attempts": self.join.attempt,
                      "reason": self.join.reason},
             "loss": self.loss, "eval_loss": self.eval_loss, "samples": learner.samples,
