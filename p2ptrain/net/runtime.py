@@ -143,6 +143,7 @@ class Runtime:
             elif kind is proto.FetchCheckpoint:
                 self.fetcher.start(action)
             elif kind is proto.AdoptCheckpoint:
+                self.saver.block_until_written()  # a write may be reading the weights
                 self.fetcher.adopt(action.path, self.learner)
             elif kind is proto.Joined:
                 self._joined(action.reason)
@@ -211,6 +212,10 @@ class Runtime:
         self.reporter.warn(f"training step failed: {exc!r}", event="step_failed")
         self.request_stop(f"training step failed: {exc}")
 
+    def _reading(self, active: bool) -> None:  # a checkpoint write reads the learner
+        if self.node is not None:
+            self.handle(proto.Reading(active))
+
     def _step_done(self, step: int, loss: float, eval_loss: float | None) -> None:
         self.handle(proto.StepDone(step, loss))
         learner, now = self.learner, self.now()
@@ -249,7 +254,7 @@ class Runtime:
         self.reporter.warn(f"no peer has reached this node in {self.reach.window:g}s although "
                            f"it reaches them (NAT or firewall?): switching to outbound-only",
                            event="outbound_only_detected")
-        if self.steps.future is None:
+        if self.steps.future is None and not self.saver.deferred:  # else at the boundary
             self._become_outbound_only()
 
     def _become_outbound_only(self) -> None:
@@ -264,6 +269,8 @@ class Runtime:
         self.me = dataclasses.replace(self.me, outbound_only=True)
         self.steps.parked = None  # the old node's step; the new node asks for its own
         self.node = self._make_node(joined=old.join.done)
+        if self.saver.writing:  # the new node must hold its writes too
+            self.handle(proto.Reading(True))
         self.fetcher.readvertise()  # the new node knows nothing of what we hold
         for state, _, info in old.control.members().values():
             if state == "alive":
@@ -296,13 +303,13 @@ class Runtime:
         self.reach = Reachability(3 * self.settings.proto().sync_interval)
         self.step_pool = ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-step")
         self.io_pool = ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-io")
-        self.steps = Stepper(self.learner, self.step_pool, self.plan, self.now,
-                             self._step_done, self._step_failed)
         self.shelf = Shelf(lambda: [self.ckroot, self.state_dir / FETCHED_DIR])
         write = shelved(functools.partial(checkpoint.save, self.ckroot, identity=self.identity,
                                           keep=self.settings.checkpoint.keep), self.shelf)
         self.saver = Saver(self.learner, write, self.io_pool, self.now, reporter, self.count,
-                           env_fault_hook(reporter), self.plan)
+                           env_fault_hook(reporter), self.plan, self._reading)
+        self.steps = Stepper(self.learner, self.step_pool, self.plan, self.now,
+                             self.saver.after_write(self._step_done), self._step_failed)
         keys = keyring_of(self.swarm, self.settings.swarm, self.state_dir, reporter)
         self.auth = ServerAuth(keys, self.node_id, self.identity.incarnation)
         self.signer = Signer(keys, self.node_id, self.identity.incarnation)
