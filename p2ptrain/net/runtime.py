@@ -212,10 +212,6 @@ class Runtime:
         self.reporter.warn(f"training step failed: {exc!r}", event="step_failed")
         self.request_stop(f"training step failed: {exc}")
 
-    def _reading(self, active: bool) -> None:  # a checkpoint write reads the learner
-        if self.node is not None:
-            self.handle(proto.Reading(active))
-
     def _step_done(self, step: int, loss: float, eval_loss: float | None) -> None:
         self.handle(proto.StepDone(step, loss))
         learner, now = self.learner, self.now()
@@ -307,7 +303,8 @@ class Runtime:
         write = shelved(functools.partial(checkpoint.save, self.ckroot, identity=self.identity,
                                           keep=self.settings.checkpoint.keep), self.shelf)
         self.saver = Saver(self.learner, write, self.io_pool, self.now, reporter, self.count,
-                           env_fault_hook(reporter), self.plan, self._reading)
+                           env_fault_hook(reporter), self.plan,
+                           lambda active: self.handle(proto.Reading(active)))
         self.steps = Stepper(self.learner, self.step_pool, self.plan, self.now,
                              self.saver.after_write(self._step_done), self._step_failed)
         keys = keyring_of(self.swarm, self.settings.swarm, self.state_dir, reporter)
@@ -385,9 +382,10 @@ class Runtime:
         self._stopping = True
         started = self.now()
         grace = self.settings.host.grace_seconds
-        if self.steps.future is not None:
-            await asyncio.wait([self.steps.future], timeout=grace / 2)
-            await asyncio.sleep(0)  # let its done-callback hand the step to the node
+        if self.steps.future is not None:  # and the write that would hold back its result
+            await asyncio.wait([f for f in (self.steps.future, self.saver.future) if f],
+                               timeout=grace / 2)
+            await asyncio.sleep(0)  # let the done-callbacks hand the step to the node
         self.handle(proto.Leave())
         await self.outbox.drain(min(2.0, grace / 4))
         await self.saver.wait(grace / 2)

@@ -59,8 +59,9 @@ def shape_of(spec: str) -> RWKVConfig:
 
 
 def run_node(config: RWKVConfig, tree: Path = REPO, networked: bool = False,
-             eval_windows: int = 32, port: int = 7390) -> dict:
-    """One `join` of 3 steps at batch 1: parameters, peak RSS, seconds, checkpoints."""
+             eval_windows: int = 32, port: int = 7390, resume: bool = False) -> dict:
+    """A `join` of 3 steps at batch 1 (`resume`: and a second one that resumes from its
+    checkpoint): parameters, peak RSS (and the resumed run's), seconds, checkpoints."""
     with tempfile.TemporaryDirectory(prefix="p2pt-mem-") as state:
         cmd = [sys.executable, "-m", "p2ptrain", "join", "--steps", "3", "--batch", "1",
                "--state-dir", state, "--log-format", "json"]
@@ -71,21 +72,35 @@ def run_node(config: RWKVConfig, tree: Path = REPO, networked: bool = False,
                    P2PTRAIN_MODEL_RWKV_N_LAYER=str(config.n_layer),
                    P2PTRAIN_MODEL_RWKV_N_EMBD=str(config.n_embd),
                    P2PTRAIN_MODEL_RWKV_CTX_LEN=str(config.ctx_len))
-        peak_file = Path(state) / "peak-kib"
         started = time.monotonic()
+        peak, events = _join(cmd, env, tree, Path(state))
+        got = {"params": next(e["params"] for e in events if e.get("event") == "start"),
+               "peak": peak, "seconds": time.monotonic() - started,
+               "checkpoints": sum(e.get("event") == "checkpoint" for e in events)}
+        if resume:
+            got["resumed"], events = _join(cmd, env, tree, Path(state))
+            if not any(e.get("event") == "resumed" for e in events):
+                raise RuntimeError("the second run did not resume from the first's checkpoint")
+    return got
+
+
+def _join(cmd: list[str], env: dict, tree: Path, state: Path) -> tuple[int, list[dict]]:
+    """Run one node through the launcher: (its peak RSS in bytes, its JSON log events); the
+    run must end with a final checkpoint."""
+    peak_file = state.parent / f"{state.name}.peak-kib"
+    try:
         proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(peak_file), *cmd], cwd=tree,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        seconds = time.monotonic() - started
         lines = proc.stdout.decode(errors="replace").splitlines()
         if proc.returncode != 0:
             raise RuntimeError(f"join exited {proc.returncode}:\n" + "\n".join(lines[-20:]))
         peak = int(peak_file.read_text()) * 1024  # Linux: KiB
+    finally:
+        peak_file.unlink(missing_ok=True)
     events = [json.loads(line) for line in lines if line.startswith("{")]
-    params = next(e["params"] for e in events if e.get("event") == "start")
-    saves = [e for e in events if e.get("event") == "checkpoint"]
-    if not any(e.get("final") for e in saves):
+    if not any(e.get("event") == "checkpoint" and e.get("final") for e in events):
         raise RuntimeError("the run wrote no final checkpoint:\n" + "\n".join(lines[-20:]))
-    return {"params": params, "peak": peak, "seconds": seconds, "checkpoints": len(saves)}
+    return peak, events
 
 
 def slope(points: list[tuple[int, int]]) -> tuple[float, float]:
@@ -134,22 +149,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", type=Path, default=REPO, help="checkout to run (default: this)")
     ap.add_argument("--networked", action="store_true", help="join without --alone")
     ap.add_argument("--eval-windows", type=int, default=32)
+    ap.add_argument("--resume", action="store_true", help="also measure a resumed run")
     ap.add_argument("--step-time", default="", help="shape LxC to time train_step at")
     ap.add_argument("--vocab", default="256", help="vocabularies for --step-time")
     ap.add_argument("--pi", action="store_true", help="largest models for 4 and 8 GB Pis")
     args = ap.parse_args(argv)
     points = []
     if args.sizes:
-        print("| params | shape | predicted | peak RSS | bytes/param | checkpoints | run |")
-        print("|---:|---|---:|---:|---:|---:|---:|")
+        print("| params | shape | predicted | peak RSS | bytes/param | resumed | checkpoints "
+              "| run |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for spec in filter(None, args.sizes.split(",")):
         config = shape_of(spec)
-        got = run_node(config, args.tree, args.networked, args.eval_windows)
+        got = run_node(config, args.tree, args.networked, args.eval_windows,
+                       resume=args.resume)
+        resumed = f"{got['resumed'] / GB:.3f} GB" if "resumed" in got else "-"
         predicted = memplan.rwkv_footprint(config, networked=args.networked).total
+        shown = f"{predicted / GB:.3f} GB" if args.tree.resolve() == REPO else "-"
         points.append((got["params"], got["peak"]))
         print(f"| {got['params'] / 1e6:.2f}M | {config.n_layer} x {config.n_embd} | "
-              f"{predicted / GB:.3f} GB | {got['peak'] / GB:.3f} GB | "
-              f"{got['peak'] / got['params']:.1f} | {got['checkpoints']} | "
+              f"{shown} | {got['peak'] / GB:.3f} GB | "
+              f"{got['peak'] / got['params']:.1f} | {resumed} | {got['checkpoints']} | "
               f"{got['seconds']:.0f} s |", flush=True)
     if len(points) >= 2:
         intercept, per_param = slope(points)

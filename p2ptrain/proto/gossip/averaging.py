@@ -15,9 +15,13 @@ Sequence, responder:  respond(params, request) -> (report, reply): it applies at
 If the initiator never gets a valid reply it calls abort(); the responder has then moved alone
 (a one-sided half step toward the peer): harmless for training, but that pair's sum is off.
 
+A half step that must wait (a step is running) goes into `HeldDeltas` instead of the
+parameters: the part's coordinates and values, added later.
+
 This file owns the coordinate subset, the snapshot buffer and the update arithmetic. It never
 does I/O, never reads the clock, never draws from global random state, and after construction
-allocates nothing of the model's size (one snapshot buffer, reused; sub-block temporaries).
+allocates nothing of the model's size (one snapshot buffer, reused; sub-block temporaries; a
+held half step is one part's copy).
 """
 
 from __future__ import annotations
