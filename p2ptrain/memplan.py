@@ -8,8 +8,10 @@ Peak resident memory of a node training N float32 parameters:
   + 4 B x N                  a micro-batch gradient, when a step accumulates (accum > 1)
   + activations              the model's scratch for one micro-batch; evaluation reuses it
   + 1.125 B x corpus tokens  a --data corpus (bytes, and the epoch's window starts)
-  networked (not --alone):
-  + NET_OVERHEAD             HTTP server and client, two averaging snapshot parts
+  networked (not --alone), bounds:
+  + NET_OVERHEAD             HTTP server and client (measured)
+  + body memory              request bodies held at once (net.body_memory_mib, 64 MiB)
+  + 2 x 4 B x part           the two averaging snapshot buffers (gossip.average_part)
   + held averaging           half steps held while a step runs: 4 B x max(N/8, 2^24) + a part
   with gradient pushes (gossip.fanout > 0):
   + 4 B x N + queue_bytes    the error-feedback residual; the peer gradients waiting
@@ -27,12 +29,14 @@ from dataclasses import dataclass, fields, replace
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.trainer import held_capacity
+from p2ptrain.settings import NetConfig
 
 MB = 10**6
-OVERHEAD = 78 * MB  # measured: `join --alone` of a 30k-parameter model
-NET_OVERHEAD = 40 * MB  # measured: the same networked, plus two 8 MiB snapshot parts
+OVERHEAD = 78 * MB  # measured: `join --alone` of an 87k-parameter model (1 x 64)
+NET_OVERHEAD = 4 * MB  # measured: the same networked, with no peer
 BYTES_PER_PARAM = 16  # float32 weights, gradient, Adam m, Adam v
 GOSSIP = GossipConfig()  # the defaults of gossip.queue_bytes and gossip.average_part
+BODY_MEMORY = int(NetConfig().body_memory_mib * 2**20)  # the default net.body_memory_mib
 CORPUS_BYTES_PER_TOKEN = 1.125  # uint8 tokens + int64 window starts every 64 tokens
 CHANNELS_PER_LAYER = 64  # the family: n_layer = n_embd / 64 (RWKV-4 169M: 12 x 768)
 CHANNEL_STEP = 64  # n_embd moves in steps of this
@@ -66,8 +70,9 @@ def footprint(n_params: int, activation_bytes: int, *, accum: int = 1,
     `activation_bytes` of scratch; `networked`: not --alone; `pushes`: gossip.fanout > 0."""
     n = int(n_params)
     held = 4 * (held_capacity(n) + average_part) if networked else 0
+    net = NET_OVERHEAD + BODY_MEMORY + 8 * average_part if networked else 0
     return Footprint(
-        overhead=OVERHEAD + (NET_OVERHEAD if networked else 0),
+        overhead=OVERHEAD + net,
         weights=4 * n, gradient=4 * n, moments=8 * n,
         micro_gradient=4 * n if accum > 1 else 0,
         activations=int(activation_bytes),
