@@ -5,7 +5,9 @@ This is the pure part of training: `train_step()` draws the next batch, computes
 gradient (accumulating micro-batches), clips it, and applies AdamW at the learning rate the
 swarm sample count gives. It never reads the clock or touches a file or socket, so the
 runtime can run it in a worker thread and the simulator can charge modelled time for it.
-Snapshots for checkpoints are views of the live buffers; `restore` loads one back.
+Snapshots for checkpoints are views of the live buffers; `restore` loads one back. The
+buffers of the model's size are the weights, the gradient and AdamW's two moments (plus a
+micro-batch gradient when accumulating): nothing here allocates another.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from p2ptrain import checkpoint
+from p2ptrain.codecs.kernels import all_finite
 from p2ptrain.data import Corpus, Sampler, eval_windows
 from p2ptrain.data.sampler import shard_seed
 from p2ptrain.models import Model, fingerprint
@@ -24,7 +27,7 @@ from p2ptrain.optim import AdamW, Schedule, clip_global_norm
 from p2ptrain.options import option
 from p2ptrain.swarmcount import SwarmCount
 
-EVAL_BATCH = 32  # held-out windows per forward pass
+EVAL_BATCH = 32  # held-out windows per forward pass, at most (never more than a micro-batch)
 JUDGE_WINDOWS = 16  # held-out windows a fetched checkpoint is judged on
 
 
@@ -85,6 +88,7 @@ class Learner:
         self.total_samples = train.total_samples
         self.sampler = Sampler(corpus.train, model.ctx_len + 1, shard_seed(node_id, train.seed))
         self.heldout = eval_windows(corpus.heldout, model.ctx_len + 1, eval_count)
+        self.eval_batch = min(EVAL_BATCH, batch // accum)  # windows per evaluation forward
         self.count = SwarmCount()
         self.step = 0  # local steps taken
         self.samples = 0  # local samples trained on
@@ -135,29 +139,33 @@ class Learner:
 
     def evaluate(self) -> float:
         """Mean held-out loss (nats/token) over the fixed evaluation windows."""
-        total, n = 0.0, 0
-        for start in range(0, len(self.heldout), EVAL_BATCH):
-            chunk = self.heldout[start : start + EVAL_BATCH]
-            total += self.model.loss(self.params, chunk) * len(chunk)
-            n += len(chunk)
-        return total / n
+        return self._held_out_loss(self.params, self.heldout)
 
     def evaluate_params(self, params: np.ndarray, windows: int = JUDGE_WINDOWS) -> float:
         """Held-out loss of other weights on the first `windows` fixed evaluation windows
-        (the same on every node that reads the same corpus)."""
-        chunk = self.heldout[:windows]
-        return float(self.model.loss(params, chunk))
+        (the same on every node that reads the same corpus, to float32 rounding)."""
+        return self._held_out_loss(params, self.heldout[:windows])
+
+    def _held_out_loss(self, params: np.ndarray, windows: np.ndarray) -> float:
+        """Mean loss over `windows`, in forward passes of at most one training micro-batch:
+        an evaluation then needs no scratch memory beyond the training step's."""
+        total, n = 0.0, 0
+        for start in range(0, len(windows), self.eval_batch):
+            chunk = windows[start : start + self.eval_batch]
+            total += self.model.loss(params, chunk) * len(chunk)
+            n += len(chunk)
+        return total / n
 
     def judge_checkpoint(self, path: Path) -> tuple[float, float]:
         """(loss of the checkpoint's weights, loss of our own) on the same fixed held-out
-        batch; inf for weights that do not load or are not finite. Reads a second copy of the
-        weights: it runs once, when a node joins."""
-        params = self.model.space.zeros()
+        batch; inf for weights that do not load or are not finite. The checkpoint's weights
+        are read into the gradient buffer: call it only while no step runs (a joining node)."""
+        params = self.grad
         try:
             checkpoint.load_tensors(path, checkpoint.MODEL_FILE, self.model.space.views(params))
         except checkpoint.CheckpointError:
             return math.inf, self.evaluate_params(self.params)
-        if not np.isfinite(params).all():
+        if not all_finite(params):
             return math.inf, self.evaluate_params(self.params)
         with np.errstate(all="ignore"):
             loss = self.evaluate_params(params)
@@ -182,19 +190,15 @@ class Learner:
     def restore(self, path: Path, manifest: checkpoint.Manifest, with_state: bool = True,
                 with_count: bool = True) -> None:
         """Load weights (and, with_state, optimiser moments and data position; with_count,
-        the swarm counter) from a verified checkpoint. Everything is checked before the live
-        buffers change."""
+        the swarm counter) from a verified checkpoint; call it between steps. The weights are
+        checked before the live ones change: they are read into the gradient buffer first (no
+        second copy of the model). The moments are read in place, after every other check: a
+        file that fails then (changed on disk since it was verified) leaves them reset."""
         space = self.model.space
-        params = space.zeros()
-        checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(params))
-        if not np.isfinite(params).all():
-            raise checkpoint.CheckpointError(f"{path.name}: weights hold non-finite values")
         count = SwarmCount(manifest.swarm_count)
         if with_state:
-            m, v = space.zeros(), space.zeros()
-            metadata = checkpoint.load_tensors(path, checkpoint.STATE_FILE,
-                                               {"adam.m": m, "adam.v": v})
-            meta = checkpoint.state_meta(metadata)
+            # the resume data first (the header alone: no tensor is read)
+            meta = checkpoint.state_meta(checkpoint.load_tensors(path, checkpoint.STATE_FILE, {}))
             try:
                 step, samples, adam_t = int(meta["step"]), int(meta["samples"]), int(meta["adam_t"])
                 data = meta["data"]
@@ -202,12 +206,22 @@ class Learner:
             except (KeyError, TypeError, ValueError) as exc:
                 raise checkpoint.CheckpointError(f"{path.name}: bad resume data ({exc})") from None
             same_node = meta.get("node_id") == self.node_id
-        np.copyto(self.params, params)
+        staged = self.grad  # free between steps; overwritten by the next one
+        checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(staged))
+        if not all_finite(staged):
+            raise checkpoint.CheckpointError(f"{path.name}: weights hold non-finite values")
+        if with_state:
+            try:
+                checkpoint.load_tensors(path, checkpoint.STATE_FILE,
+                                        {"adam.m": self.opt.m, "adam.v": self.opt.v})
+            except checkpoint.CheckpointError:
+                self.opt.reset()
+                raise
+        np.copyto(self.params, staged)
+        staged.fill(0.0)
         if with_count:
             self.count.merge(count.as_dict())  # merged: what this node knew is never lost
         if with_state:
-            np.copyto(self.opt.m, m)
-            np.copyto(self.opt.v, v)
             self.opt.t = adam_t
             self.step = step
             self.samples = samples

@@ -2,7 +2,7 @@ import math
 
 import numpy as np
 
-from p2ptrain.optim import AdamW, Schedule, clip_global_norm, decay_mask
+from p2ptrain.optim import AdamW, Schedule, clip_global_norm, decay_segments
 from p2ptrain.params import ParamSpace
 
 
@@ -31,7 +31,9 @@ def test_adamw_matches_the_textbook_update():
     ref = params.astype(np.float64)
     m = np.zeros(space.size)
     v = np.zeros(space.size)
-    mask = decay_mask(space, np.float64)
+    mask = np.zeros(space.size)
+    for start, end, decay in decay_segments(space):
+        mask[start:end] = decay
     opt = AdamW(space, 0.9, 0.99, 1e-8, weight_decay=0.1)
     for t in range(1, 6):
         g = rng.normal(size=space.size).astype(np.float32)
@@ -40,6 +42,31 @@ def test_adamw_matches_the_textbook_update():
                                     0.1, mask)
     np.testing.assert_allclose(params, ref, rtol=1e-5, atol=1e-6)
     assert mask[space.slot("b").offset] == 0 and mask[space.slot("w").offset] == 1
+
+
+def test_adamw_works_block_by_block_and_decays_only_matrices(monkeypatch):
+    space = ParamSpace([("a", (3, 5)), ("b", (7,)), ("c", (2, 9)), ("d", (4, 4)), ("e", (1,))])
+    assert decay_segments(space) == [(0, 16, True), (16, 32, False), (32, 80, True),
+                                     (80, space.size, False)]
+    rng = np.random.default_rng(1)
+    params = rng.normal(size=space.size).astype(np.float32)
+    for end, start in zip([s.offset + s.size for s in space], [s.offset for s in space][1:]
+                          + [space.size], strict=True):
+        params[end:start] = 0.0  # padding
+    grads = [rng.normal(size=space.size).astype(np.float32) for _ in range(3)]
+    whole = AdamW(space, weight_decay=0.5)
+    monkeypatch.setattr(AdamW, "BLOCK", 5)
+    blocked = AdamW(space, weight_decay=0.5)
+    assert blocked._tmp.shape == (5,)
+    a, b = params.copy(), params.copy()
+    for g in grads:
+        whole.step(a, g * (a != 0), 0.1)
+        blocked.step(b, g * (b != 0), 0.1)
+    np.testing.assert_array_equal(a, b)
+    no_grad = AdamW(space, weight_decay=0.5)
+    c = params.copy()
+    no_grad.step(c, np.zeros(space.size, np.float32), 0.1)  # decay alone moves matrices only
+    assert np.array_equal(c[16:32], params[16:32]) and np.all(c[:15] != params[:15])
 
 
 def test_clip_global_norm():

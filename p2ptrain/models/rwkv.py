@@ -263,13 +263,14 @@ class RWKV(Model):
         B, T = inputs.shape
         L, n = self._layout(T)
         lay, N, C = (L, B, n), L * B * n, self.config.n_embd
-        table, table_xhat = np.empty_like(p["emb"]), np.empty_like(p["emb"])  # (V, C)
-        _, ln0 = layer_norm(p["emb"], p["ln0.weight"], p["ln0.bias"], table_xhat, table)
         ids = self._to_rows(inputs, L, n)
-        x = np.take(table, ids, axis=0, out=ws.empty("x", (N, C)))  # (N, C) residual stream
+        x = np.take(p["emb"], ids, axis=0, out=ws.empty("x", (N, C)))  # (N, C) residual stream
+        # LN0 of the rows looked up, in place (not of the whole (V, C) table: a big vocabulary
+        # would cost two table-sized temporaries per step)
+        _, ln0 = layer_norm(x, p["ln0.weight"], p["ln0.bias"], ws.empty("ln0.xhat", (N, C)), x)
         blocks = []
         for i in range(self.config.n_layer):
-            tag = f"{i}." if keep else "fwd."
+            tag = f"{i}." if keep else "0."  # keep=False: block 0's arrays serve every block
             att = self._time_mix_forward(p, i, x, lay, ws, tag + "att.")
             ffn = self._channel_mix_forward(p, i, x, lay, ws, tag + "ffn.")
             blocks.append((att, ffn))
@@ -430,17 +431,17 @@ class RWKV(Model):
                 att, ffn = blocks[i]
                 self._channel_mix_backward(p, g, i, dx, ffn, lay, ws)
                 self._time_mix_backward(p, g, i, dx, att, lay, ws)
-            # x = LN0(emb)[ids]: sum the rows of dx per token id, then LN0 on the table
+            # x = LN0(emb[ids]): LN0 backward on the rows, then sum them per token id
+            layer_norm_backward(
+                dx, ln0, p["ln0.weight"], g["ln0.weight"], g["ln0.bias"], dx,
+                ws.empty("gd", (N, C)), accumulate=False,
+            )
             order = np.argsort(ids, kind="stable")
             sorted_ids = ids[order]
             starts = np.flatnonzero(np.diff(sorted_ids, prepend=-1))
-            dtable = np.zeros_like(p["emb"])  # (V, C)
             dx_sorted = np.take(dx, order, axis=0, out=ws.empty("gd", (N, C)))
-            dtable[sorted_ids[starts]] = np.add.reduceat(dx_sorted, starts, axis=0)
-            layer_norm_backward(
-                dtable, ln0, p["ln0.weight"], g["ln0.weight"], g["ln0.bias"], g["emb"],
-                np.empty_like(dtable), accumulate=False,
-            )
+            g["emb"].fill(0.0)
+            g["emb"][sorted_ids[starts]] = np.add.reduceat(dx_sorted, starts, axis=0)
         return loss
 
     def _logits_rows(self, flat: np.ndarray, inputs: np.ndarray) -> np.ndarray:
@@ -453,10 +454,16 @@ class RWKV(Model):
 
     def loss(self, flat: np.ndarray, tokens: np.ndarray) -> float:
         self._check(flat, tokens[:, :-1])
-        L, n = self._layout(tokens.shape[1] - 1)
-        logits = self._logits_rows(flat, tokens[:, :-1])
+        B, T = tokens.shape[0], tokens.shape[1] - 1
+        L, n = self._layout(T)
         targets, rows = self._targets(tokens, L, n)
-        return cross_entropy(logits if rows is None else logits[rows], targets)
+        with self._lock:  # all in scratch memory: the same arrays as a training step's
+            p = self.space.views(flat)
+            ws = self._workspace(B, T, flat.dtype)
+            h, _ = self._forward(p, tokens[:, :-1], ws, keep=False)
+            hr = h if rows is None else h[rows]
+            logits = np.matmul(hr, p["head"], out=ws.empty("logits", (len(hr), self.vocab_size)))
+            return cross_entropy(logits, targets)
 
     def logits(self, flat: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         self._check(flat, tokens)
@@ -479,10 +486,11 @@ class RWKV(Model):
         """Bytes of scratch memory per sample of ctx_len tokens (float32), all of it live from
         forward to backward: per block and position 12C (time-mix: norm, shift difference,
         3 mixed inputs, gate, gated wkv, WKV inputs 2C, state weight, denominator, wkv) and
-        6C + 2F (channel-mix), plus about 28C + F + V of temporaries shared by all blocks
-        (residual stream, gradients, WKV work arrays, logits). Measured to within 1%."""
+        6C + 2F (channel-mix), plus about 29C + F + V of temporaries shared by all blocks
+        (residual stream, LN0, gradients, WKV work arrays, logits). Measured to within 1%.
+        A forward pass without backward (evaluation) of the same batch shape reuses these."""
         c = self.config
         C, F, V = c.n_embd, c.ffn_mult * c.n_embd, c.vocab_size
         L, n = self._layout(c.ctx_len)
-        per_position = c.n_layer * (18 * C + 2 * F) + 28 * C + F + V
+        per_position = c.n_layer * (18 * C + 2 * F) + 29 * C + F + V
         return int(4 * n * L * per_position)

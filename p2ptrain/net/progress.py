@@ -107,3 +107,18 @@ def say_leader(reporter: Reporter, action: Any, own_id: str) -> None:
         reporter.info("no leader: lease lapsed", **fields)
     else:
         reporter.info(f"leader is {action.leader[:12]} (term {action.term})", **fields)
+
+
+class FirstExchange:
+    """Says once when the first complete peer gradient arrived (a join-time figure)."""
+
+    def __init__(self, reporter: Reporter):
+        self.reporter, self.said = reporter, False
+
+    def check(self, node: Any, now: float) -> None:
+        if self.said or node is None:
+            return
+        if node.trainer.stats.get("gradient_complete", 0) > 0:
+            self.said = True
+            self.reporter.info(f"first gradient from a peer after {now:.2f}s",
+                               event="first_exchange", elapsed_s=now)

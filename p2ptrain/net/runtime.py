@@ -36,7 +36,13 @@ from p2ptrain.net.discovery import advertised_address, seed_loop, start_mdns
 from p2ptrain.net.joinflow import FETCHED_DIR, JoinFetcher
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
-from p2ptrain.net.progress import every_second, progress_loop, say_leader, say_membership
+from p2ptrain.net.progress import (
+    FirstExchange,
+    every_second,
+    progress_loop,
+    say_leader,
+    say_membership,
+)
 from p2ptrain.net.reachability import Reachability
 from p2ptrain.net.rotation import keyring_of
 from p2ptrain.net.saving import Saver, read_term, record_term
@@ -69,7 +75,7 @@ class Runtime:
         self._signalled = self._stopping = False
         self._stop = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
-        self._first_exchange = False
+        self._first = FirstExchange(reporter)  # says when the first peer gradient came
         self.outbound_only = settings.net.outbound_only
         self.inbound = 0  # authenticated messages peers sent us (reachability)
         self._switch_pending = False
@@ -144,6 +150,7 @@ class Runtime:
             elif kind is proto.FetchCheckpoint:
                 self.fetcher.start(action)
             elif kind is proto.AdoptCheckpoint:
+                self.saver.block_until_written()  # a write may be reading the weights
                 self.fetcher.adopt(action.path, self.learner)
             elif kind is proto.Joined:
                 self._joined(action.reason)
@@ -159,7 +166,7 @@ class Runtime:
         # where the sender accepts requests (the TCP peer address has an ephemeral port)
         addr = envelope.header.addr or remote
         actions, replies = self.handle(proto.Received(addr, envelope), reply_to=sender)
-        self._note_first_exchange()
+        self._first.check(self.node, self.now())
         status, reason = 200, ""
         for action in actions:
             if type(action) is proto.RemoteError and action.sender in (sender, None):
@@ -173,16 +180,7 @@ class Runtime:
         """Frames that came back in a response: each is a message from that peer."""
         for frame in frames:
             self.handle(proto.Received(addr, frame))
-        self._note_first_exchange()
-
-    def _note_first_exchange(self) -> None:
-        """Say once when the first complete peer gradient arrived (a join-time figure)."""
-        if self._first_exchange or self.node is None:
-            return
-        if self.node.trainer.stats.get("gradient_complete", 0) > 0:
-            self._first_exchange = True
-            self.reporter.info(f"first gradient from a peer after {self.now():.2f}s",
-                               event="first_exchange", elapsed_s=self.now())
+        self._first.check(self.node, self.now())
 
     def _arm_timer(self) -> None:
         if self._timer is not None:
@@ -250,7 +248,7 @@ class Runtime:
         self.reporter.warn(f"no peer has reached this node in {self.reach.window:g}s although "
                            f"it reaches them (NAT or firewall?): switching to outbound-only",
                            event="outbound_only_detected")
-        if self.steps.future is None:
+        if self.steps.future is None and not self.saver.deferred:  # else at the boundary
             self._become_outbound_only()
 
     def _become_outbound_only(self) -> None:
@@ -265,6 +263,8 @@ class Runtime:
         self.me = dataclasses.replace(self.me, outbound_only=True)
         self.steps.parked = None  # the old node's step; the new node asks for its own
         self.node = self._make_node(joined=old.join.done)
+        if self.saver.writing:  # the new node must hold its writes too
+            self.handle(proto.Reading(True))
         self.fetcher.readvertise()  # the new node knows nothing of what we hold
         for state, _, info in old.control.members().values():
             if state == "alive":
@@ -297,13 +297,14 @@ class Runtime:
         self.reach = Reachability(3 * self.settings.proto().sync_interval)
         self.step_pool = ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-step")
         self.io_pool = ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-io")
-        self.steps = Stepper(self.learner, self.step_pool, self.plan, self.now,
-                             self._step_done, self._step_failed)
         self.shelf = Shelf(lambda: [self.ckroot, self.state_dir / FETCHED_DIR])
         write = shelved(functools.partial(checkpoint.save, self.ckroot, identity=self.identity,
                                           keep=self.settings.checkpoint.keep), self.shelf)
         self.saver = Saver(self.learner, write, self.io_pool, self.now, reporter, self.count,
-                           env_fault_hook(reporter), self.plan)
+                           env_fault_hook(reporter), self.plan,
+                           lambda active: self.handle(proto.Reading(active)))
+        self.steps = Stepper(self.learner, self.step_pool, self.plan, self.now,
+                             self.saver.after_write(self._step_done), self._step_failed)
         keys = keyring_of(self.swarm, self.settings.swarm, self.state_dir, reporter)
         self.auth = ServerAuth(keys, self.node_id, self.identity.incarnation)
         self.signer = Signer(keys, self.node_id, self.identity.incarnation)
@@ -382,9 +383,10 @@ class Runtime:
         self._stopping = True
         started = self.now()
         grace = self.settings.host.grace_seconds
-        if self.steps.future is not None:
-            await asyncio.wait([self.steps.future], timeout=grace / 2)
-            await asyncio.sleep(0)  # let its done-callback hand the step to the node
+        if self.steps.future is not None:  # and the write that would hold back its result
+            await asyncio.wait([f for f in (self.steps.future, self.saver.future) if f],
+                               timeout=grace / 2)
+            await asyncio.sleep(0)  # let the done-callbacks hand the step to the node
         self.handle(proto.Leave())
         await self.outbox.drain(min(2.0, grace / 4))
         await self.saver.wait(grace / 2)

@@ -1,9 +1,12 @@
-"""Checkpoint writes of a running node: copy the replica on the event loop (between steps, so
-it is consistent), write the copy in the I/O thread while training goes on.
+"""Checkpoint writes of a running node: written in the I/O thread straight from the learner's
+buffers (no copy: a second replica of weights and optimiser moments is what a big model on a
+small machine cannot afford).
 
-One write at a time: a save asked for while one is running is skipped and counted (the next
-one comes soon). The copy costs one replica of memory (weights and optimiser moments) for the
-duration of the write. A write that fails (a full disk) is one warning line; training goes on
+The write starts on the event loop between steps and tells the driver (`reading(True)`, then
+`reading(False)` when it ends): meanwhile the node writes nothing of the replica (averaging
+half steps are held, a finished step waits to be applied) while the next gradient is
+computed. One write at a time: a save asked for while one is running is skipped and counted
+(the next one comes soon). A write that fails (a full disk) is one warning line; training goes on
 and the save is retried after a back-off that doubles up to RETRY_MAX (any save meanwhile, a
 periodic or a leader's one, takes the retry's place). A driver: threads and files.
 """
@@ -12,13 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from p2ptrain import checkpoint
 from p2ptrain.fsutil import describe_os_error, write_small
@@ -31,30 +32,20 @@ if TYPE_CHECKING:
     from p2ptrain.report import Reporter
 
 
-def copy_snapshot(learner, term: int) -> checkpoint.Snapshot:
-    """A checkpoint snapshot that owns copies of the buffers (written while training goes on)."""
-    snap = learner.snapshot(term)
-    space = learner.model.space
-    params = learner.params.copy()
-    return checkpoint.Snapshot(
-        step=snap.step, term=term, swarm_count=dict(snap.swarm_count),
-        fingerprint=snap.fingerprint, arch=snap.arch,
-        model_tensors=[(s.name, space.view(params, s.name)) for s in space],
-        state_tensors=[(name, np.array(a, copy=True)) for name, a in snap.state_tensors],
-        state_meta=json.loads(json.dumps(snap.state_meta)))
-
-
 class Saver:
     """Writes a running node's checkpoints, one at a time, in the I/O thread."""
 
     def __init__(self, learner: Learner, write: Callable[[checkpoint.Snapshot, Any], Path],
                  executor: Executor, now: Callable[[], float], reporter: Reporter,
                  count: Callable[[str], None], fault: Callable[[int], Any],
-                 plan: Housekeeping):
+                 plan: Housekeeping, reading: Callable[[bool], None]):
         self.learner, self.write, self.executor = learner, write, executor
         self.now, self.reporter, self.count_event = now, reporter, count
-        self.fault, self.plan = fault, plan
+        self.fault, self.plan, self.reading = fault, plan, reading
         self.future: asyncio.Future | None = None
+        self._idle = threading.Event()  # no write reads the learner's buffers
+        self._idle.set()
+        self._after: list[Callable[[], None]] = []  # calls waiting for the write to end
         self.count = 0  # saves started
         self.failures = 0  # writes failed in a row
         self.retry: asyncio.TimerHandle | None = None  # the retry of a failed write
@@ -72,29 +63,47 @@ class Saver:
         if self.retry is not None:  # this save takes the place of a pending retry
             self.retry.cancel()
             self.retry = None
-        snap = copy_snapshot(self.learner, term)
+        snap = self.learner.snapshot(term)  # views of the live buffers
         self.count += 1
         progress = self.fault(self.count)
         started = self.now()
         self.plan.save_started(started)
-        future = asyncio.get_running_loop().run_in_executor(
-            self.executor, lambda: self.write(snap, progress=progress))
+        self._idle.clear()
+        self.reading(True)
+
+        def write() -> Path:
+            try:
+                return self.write(snap, progress=progress)
+            finally:
+                self._idle.set()
+
+        future = asyncio.get_running_loop().run_in_executor(self.executor, write)
         self.future = future
 
         def done(f: asyncio.Future) -> None:
             self.future = None
             self.plan.save_finished(self.now() - started)
             try:
-                path = f.result()
-            except Exception as exc:
-                self._failed(exc, term, reason, final)
-                return
-            self.failures = 0
-            self.reporter.info(f"checkpoint {path.name} written in {self.seconds:.2f}s "
-                               f"({reason}{', final' if final else ''})", event="checkpoint",
-                               path=str(path), step=snap.step, term=term, final=final)
+                self._report(f, snap.step, term, reason, final)
+            finally:
+                self.reading(False)
+                after, self._after = self._after, []
+                for call in after:  # e.g. a step that ended during the write: applied now
+                    call()
 
         future.add_done_callback(done)
+
+    def _report(self, f: asyncio.Future, step: int, term: int, reason: str,
+                final: bool) -> None:
+        try:
+            path = f.result()
+        except Exception as exc:
+            self._failed(exc, term, reason, final)
+            return
+        self.failures = 0
+        self.reporter.info(f"checkpoint {path.name} written in {self.seconds:.2f}s "
+                           f"({reason}{', final' if final else ''})", event="checkpoint",
+                           path=str(path), step=step, term=term, final=final)
 
     def _failed(self, exc: Exception, term: int, reason: str, final: bool) -> None:
         """Say in one line why the write failed; retry later (not a final save: the node is
@@ -114,6 +123,30 @@ class Saver:
         self.retry = None
         with contextlib.suppress(RuntimeError):  # the I/O thread is gone: the node stopped
             self.save(term, reason=reason)
+
+    @property
+    def writing(self) -> bool:
+        """A write reads the learner's buffers (until its result reaches the loop)."""
+        return self.future is not None
+
+    @property
+    def deferred(self) -> bool:
+        """Calls wait for the write in progress to end."""
+        return bool(self._after)
+
+    def after_write(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """`fn`, made to wait (on the loop) for the end of a write in progress, if any."""
+        def call(*args: Any) -> None:
+            if self.writing:
+                self._after.append(lambda: fn(*args))
+            else:
+                fn(*args)
+        return call
+
+    def block_until_written(self) -> None:
+        """Block the calling thread until no write reads the learner's buffers (before
+        something overwrites them out of turn: adopting a fetched checkpoint)."""
+        self._idle.wait()
 
     async def wait(self, timeout: float) -> None:
         """Wait up to `timeout` s for the write in progress, if any."""

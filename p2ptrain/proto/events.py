@@ -81,6 +81,16 @@ class StepDone(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class Reading(Event):
+    """The driver starts (active) or has stopped reading the learner's buffers in another
+    thread -- a checkpoint written straight from them, with no copy (training nodes only).
+    Until Reading(False) nothing the node does writes the parameters or optimiser state:
+    averaging half steps are held as while a step runs, and StepDone must wait."""
+
+    active: bool
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointFetched(Event):
     """The driver's answer to `FetchCheckpoint`: the verified checkpoint's location and its
     swarm sample count, or (path None) why there is none and whether asking again may help."""

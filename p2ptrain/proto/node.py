@@ -1,6 +1,5 @@
 """A training node: the control plane, gossip training and the learner behind one sans-IO
-object -- the only thing a driver (the asyncio runtime, the simulator, the test harness)
-touches.
+object -- the only thing a driver (the asyncio runtime, the simulator, a test) touches.
 
     node = Node(LAN, me, learner, NodeConfig(), incarnation=1, now=t0, rng=random.Random(s))
     for action in node.handle(now, event):      # Tick, Received, Discovered, StepDone, ...
@@ -14,7 +13,8 @@ Rules it keeps:
 - One step at a time: `RunStep(k)` is emitted when training may go on and no step is
   outstanding; `StepDone(k, loss)` must answer it. Meanwhile every other event is handled as
   usual (heartbeats, probes, averaging requests are answered; gradients are queued), and the
-  learner's parameters are not written until the StepDone (training.py holds the results).
+  learner's parameters are not written until the StepDone (trainer.py holds the results), nor
+  while the driver reads them (`Reading`: a checkpoint written from them; StepDone waits).
 - After a StepDone: the swarm sample G-counter known to the control plane is merged into the
   learner's (by max, so the LR schedule never runs backwards), the gradient is pushed, mixed
   and applied, the control plane gets `Progress`, and a `Finished` action ends training when
@@ -31,8 +31,7 @@ Rules it keeps:
   suspect or dead) that accept connections (not outbound-only).
 
 `status()` is the `/v1/status` document. This file owns the composition, the phase, the step
-hand-off and per-peer traffic counts; it never does I/O, reads the clock or uses global
-random state.
+hand-off and per-peer traffic counts; no I/O, no clock, no global random state.
 """
 
 from __future__ import annotations
@@ -66,6 +65,7 @@ from p2ptrain.proto.events import (
     Leave,
     Offender,
     Progress,
+    Reading,
     Received,
     RemoteError,
     RunStep,
@@ -226,18 +226,15 @@ class Node:
                 self._offended(now, self.join.refused, self.join.reason, actions)
             if any(type(a) is AdoptCheckpoint for a in actions):
                 self._adopt_counts(event.counts or {})
+        elif kind is Reading:  # a driver's read of the learner: the trainer holds every write
+            actions = self.trainer.read(event.active, stepping=self.outstanding is not None)
         elif kind is Evaluated:
             if not (isinstance(event.eval_loss, numbers.Real) and event.eval_loss >= 0):
                 raise LocalProtocolError("Evaluated.eval_loss must be a number >= 0")
             self.eval_loss = float(event.eval_loss)
             actions = []
         elif kind is Holds:
-            if event.holding is not None:
-                try:
-                    event.holding.check()
-                except ValueError as exc:
-                    raise LocalProtocolError(f"Holds: {exc}") from None
-            self.control.membership.holdings.mine = event.holding
+            self.control.membership.holdings.own(event.holding)
             actions = []
         elif kind in (Tick, Discovered, Leave):
             actions = self.control.handle(now, event)
@@ -367,9 +364,9 @@ class Node:
         return out
 
     def _step_done(self, now: float, event: StepDone, msgs: list[Out]) -> list[Action]:
-        if self.outstanding is None or event.step != self.outstanding:
+        if self.outstanding is None or event.step != self.outstanding or self.trainer.reading:
             raise LocalProtocolError(f"StepDone({event.step}) answers no outstanding RunStep "
-                                     f"(outstanding: {self.outstanding})")
+                                     f"(outstanding: {self.outstanding}) or came during a read")
         self.outstanding = None
         if self.phase == STOPPED:
             return []

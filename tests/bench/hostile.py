@@ -55,7 +55,6 @@ from p2ptrain.config import resolve, settings_of
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
-from p2ptrain.net.saving import copy_snapshot
 from p2ptrain.net.server import Served, build_app, listen
 from p2ptrain.proto import wire
 from p2ptrain.proto.control import Control
@@ -120,7 +119,7 @@ class Hostile:
         learner = self.learner
         np.copyto(learner.params, self.poison)
         learner.count.merge({self.identity.node_id: self.total // 2})
-        snap = copy_snapshot(learner, MAX_EPOCH)
+        snap = learner.snapshot(MAX_EPOCH)
         path = checkpoint.save(self.ckroot, snap, self.identity, keep=1)
         say("wrecked_checkpoint", path=str(path), term=MAX_EPOCH,
             swarm_samples=learner.count.total, value=FP16_MAX)

@@ -15,9 +15,13 @@ Sequence, responder:  respond(params, request) -> (report, reply): it applies at
 If the initiator never gets a valid reply it calls abort(); the responder has then moved alone
 (a one-sided half step toward the peer): harmless for training, but that pair's sum is off.
 
+A half step that must wait (a step is running) goes into `HeldDeltas` instead of the
+parameters: the part's coordinates and values, added later.
+
 This file owns the coordinate subset, the snapshot buffer and the update arithmetic. It never
 does I/O, never reads the clock, never draws from global random state, and after construction
-allocates nothing of the model's size (one snapshot buffer, reused; sub-block temporaries).
+allocates nothing of the model's size (one snapshot buffer, reused; sub-block temporaries; a
+held half step is one part's copy).
 """
 
 from __future__ import annotations
@@ -125,6 +129,31 @@ class AveragingPlan:
             raise ValueError(f"part {part} out of range for {m} coordinates")
         return lo, min(m, lo + self.part_size)
 
+    def split(self, runs: np.ndarray) -> tuple[np.ndarray, int]:
+        """(indices of the whole runs, length of the partial last run if chosen, else 0)."""
+        whole = self.n // self.block
+        if runs.shape[0] and runs[-1] == whole:  # only exists when block does not divide n
+            return runs[:-1], self.n - whole * self.block
+        return runs, 0
+
+    def scatter_add(self, params: np.ndarray, runs: np.ndarray | None, delta: np.ndarray,
+                    lo: int) -> None:
+        """params += delta at the coordinates a part covers: `runs` (its runs of a subset) or,
+        for None, the contiguous range from `lo`."""
+        if runs is None:
+            params[lo : lo + delta.shape[0]] += delta
+            return
+        b = self.block
+        whole, tail = self.split(runs)
+        k = whole.shape[0]
+        grid = params[: (self.n // b) * b].reshape(-1, b)
+        rows = delta[: k * b].reshape(k, b)
+        step = max(1, BLOCK // b)  # bounds the fancy-indexing temporaries to one sub-block
+        for start in range(0, k, step):
+            grid[whole[start : start + step]] += rows[start : start + step]
+        if tail:
+            params[self.n - tail :] += delta[k * b : k * b + tail]
+
     def subset(self, seed: int) -> np.ndarray | None:
         """Sorted indices of the runs the exchange with `seed` covers (None: everything).
         Stratified: run j is drawn from stratum [j*N//k, (j+1)*N//k) of the N runs, from the
@@ -179,6 +208,40 @@ class AveragingReport:
     seed: int  # the exchange's seed
     covered: int  # coordinates averaged
     distance: float  # consensus distance: RMS of (x_peer - x_self) over them, from snapshots
+
+
+class HeldDeltas:
+    """Averaging half steps that finished while a step was outstanding, kept sparse -- the
+    coordinates each part covered and its values -- until the step boundary adds them to the
+    parameters: no buffer of the model's size. Holds at most `capacity` coordinates; a caller
+    asks `room` before it commits to another part."""
+
+    def __init__(self, plan: AveragingPlan, capacity: int):
+        self.plan = plan
+        self.capacity = capacity  # coordinates held at most (callers check `room`)
+        self.size = 0  # coordinates held
+        self._parts: list[tuple[np.ndarray | None, int, np.ndarray]] = []  # (runs, lo, delta)
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def room(self, m: int) -> bool:
+        """Whether `m` more coordinates fit."""
+        return self.size + m <= self.capacity
+
+    def add(self, runs: np.ndarray | None, lo: int, delta: np.ndarray) -> None:
+        self._parts.append((runs, lo, delta.copy()))
+        self.size += int(delta.shape[0])
+
+    def apply(self, params: np.ndarray) -> None:
+        """Add every held half step to `params`, in the order they finished; then empty."""
+        for runs, lo, delta in self._parts:
+            self.plan.scatter_add(params, runs, delta, lo)
+        self.clear()
+
+    def clear(self) -> None:
+        self._parts.clear()
+        self.size = 0
 
 
 class ParameterAverager:
@@ -273,10 +336,12 @@ class ParameterAverager:
                     sq += float(np.dot(d[start:stop], d[start:stop]))
         return math.sqrt(sq / m) if m else 0.0
 
-    def finish(self, params: np.ndarray, peer: PeerSnapshot | Iterable[Any]) -> AveragingReport:
-        """Apply (x_peer - x_self)/2 from the two snapshots to the current `params` and close
-        the exchange. CodecError (exchange closed, params untouched) if the peer's snapshot
-        is malformed, covers other coordinates, or is farther than `max_distance`."""
+    def finish(self, params: np.ndarray, peer: PeerSnapshot | Iterable[Any],
+               held: HeldDeltas | None = None) -> AveragingReport:
+        """Apply (x_peer - x_self)/2 from the two snapshots to the current `params` (or keep
+        it in `held`, to be added later) and close the exchange. CodecError (exchange closed,
+        params untouched) if the peer's snapshot is malformed, covers other coordinates, or
+        is farther than `max_distance`."""
         self._check_params(params)
         if self._seed is None:
             raise RuntimeError("no averaging exchange is open")
@@ -301,7 +366,10 @@ class ParameterAverager:
             self.abort()
             raise
         diff *= np.float32(-0.5)  # now (peer - mine) / 2: exact
-        self._scatter_add(params, self._runs, diff, self._lo)
+        if held is not None:
+            held.add(self._runs, self._lo, diff)
+        else:
+            self.plan.scatter_add(params, self._runs, diff, self._lo)
         report = AveragingReport(peer.sender, self._seed, m, distance)
         self.abort()
         return report
@@ -332,42 +400,19 @@ class ParameterAverager:
                 or params.shape != (self.plan.n,) or not params.flags.c_contiguous):
             raise TypeError(f"params must be a contiguous float32 array of ({self.plan.n},)")
 
-    def _split(self, runs: np.ndarray) -> tuple[np.ndarray, int]:
-        """(indices of the whole runs, length of the partial last run if chosen, else 0)."""
-        whole = self.plan.n // self.plan.block
-        if runs.shape[0] and runs[-1] == whole:  # only exists when block does not divide n
-            return runs[:-1], self.plan.n - whole * self.plan.block
-        return runs, 0
-
     def _gather(self, params: np.ndarray, runs: np.ndarray | None, length: int) -> int:
         if runs is None:
             lo = self._lo
             np.copyto(self._snap[:length], params[lo : lo + length])
             return length
         b = self.plan.block
-        whole, tail = self._split(runs)
+        whole, tail = self.plan.split(runs)
         k = whole.shape[0]
         grid = params[: (self.plan.n // b) * b].reshape(-1, b)
         np.take(grid, whole, axis=0, out=self._snap[: k * b].reshape(k, b), mode="clip")
         if tail:
             self._snap[k * b : k * b + tail] = params[self.plan.n - tail :]
         return k * b + tail
-
-    def _scatter_add(self, params: np.ndarray, runs: np.ndarray | None,
-                     delta: np.ndarray, lo: int) -> None:
-        if runs is None:
-            params[lo : lo + delta.shape[0]] += delta
-            return
-        b = self.plan.block
-        whole, tail = self._split(runs)
-        k = whole.shape[0]
-        grid = params[: (self.plan.n // b) * b].reshape(-1, b)
-        rows = delta[: k * b].reshape(k, b)
-        step = max(1, BLOCK // b)  # bounds the fancy-indexing temporaries to one sub-block
-        for start in range(0, k, step):
-            grid[whole[start : start + step]] += rows[start : start + step]
-        if tail:
-            params[self.plan.n - tail :] += delta[k * b : k * b + tail]
 
 
 def consensus_distance(replicas: Sequence[np.ndarray]) -> float:

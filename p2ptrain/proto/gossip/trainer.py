@@ -12,10 +12,15 @@ the sender named in the chunks is the header's sender, values decode and are fin
 the node lets anything change; a defect raises CodecError and nothing moves. A gradient
 arriving while the driver computes is only queued. Parameters are written only between
 steps: the half steps of averaging exchanges that complete while a step is outstanding
-(`busy`) are summed into a pending-delta buffer and added by `flush` at the next `StepDone`,
-so a driver may compute in a worker thread while the event loop answers requests. A responder
-replies at once, from a snapshot (a read), and may answer any number of requests per step.
-A node that is not training yet (joining: its replica is the initial one) declines.
+(`busy`) are held and added by `flush` at the next `StepDone`, so a driver may compute in a
+worker thread while the event loop answers requests. They are held sparse (`HeldDeltas`: each
+part's coordinates and values, never a buffer of the model's size), at most `held_capacity`
+coordinates (an eighth of the model, or 64 MiB if more): a responder replies at once, from a
+snapshot (a read), to as many requests per step as fit, and declines the rest; an initiator
+holds the reply of the part it sent, and sends its next part at the step boundary when that
+one's reply would not fit. A node that is not training yet (joining: its replica is the
+initial one) declines. The error-feedback residual exists only when gradients are pushed
+(`fanout > 0`).
 
 Outbound-only peers: nobody may connect to them, so they are never push targets or averaging
 partners; they start exchanges themselves, and a push from one is answered with this node's
@@ -39,6 +44,7 @@ from p2ptrain.codecs import CodecError, Message, parse_message
 from p2ptrain.proto.gossip.averaging import (
     AveragingPlan,
     AveragingReport,
+    HeldDeltas,
     ParameterAverager,
     PeerSnapshot,
     read_snapshot,
@@ -58,6 +64,14 @@ if TYPE_CHECKING:
     from p2ptrain.learner import Learner
 
 MAX_SEED = 2**53  # exchange seeds stay exact in JSON
+HELD_SHARE = 8  # averaging half steps held while busy: at most 1/HELD_SHARE of the model...
+HELD_FLOOR = 1 << 24  # ...or this many coordinates (64 MiB), if more
+
+
+def held_capacity(n: int) -> int:
+    """Coordinates of averaging half steps a node of n parameters holds while a step is
+    outstanding (one part more when its own exchange's reply lands on a full store)."""
+    return max(n // HELD_SHARE, HELD_FLOOR)
 
 
 def covered(plan: AveragingPlan, seed: int) -> int:
@@ -97,7 +111,8 @@ class GossipTrainer:
         self.average_timeout = average_timeout
         self.chunk_elems = chunk_elems
         self.n = n
-        self.encoder = gradient_encoder(config, n)
+        # the error-feedback residual is a buffer of the model's size: only with pushes
+        self.encoder = gradient_encoder(config, n) if config.fanout > 0 else None
         self.mixer = GradientMixer(config, n)
         self.plan = config.averaging_plan(n)
         self.initiator = ParameterAverager(self.plan, chunk_elems)  # exchanges we open
@@ -105,8 +120,10 @@ class GossipTrainer:
         self.peers = PeerTable()  # RTT and bandwidth per peer: how push targets are chosen
         self.guard = config.distance_guard()  # which averaging snapshots are too far
         self.exchange: Exchange | None = None
-        self.pending = np.zeros(n, np.float32)  # averaging half steps held while busy
-        self.dirty = False  # `pending` holds something
+        self.held = HeldDeltas(self.plan, held_capacity(n))  # half steps while busy
+        self.reading = False  # the driver reads the learner's buffers: busy even between steps
+        self.next_part: tuple[str, str, int, int, int] | None = None  # (peer, addr, seed,
+        # part, parts): an exchange's next part, sent at the step boundary (no room while busy)
         self.latest: tuple[int, float, list[bytes]] | None = None  # own last gradient sent
         self.served: dict[str, int] = {}  # outbound-only peer -> own step last returned to it
         self.peer_progress: dict[str, tuple[int, float | None]] = {}  # last (step, loss) heard
@@ -181,6 +198,7 @@ class GossipTrainer:
         plane admitted, merged instead of the body's). CodecError if the mixer refuses the
         gradient (an absurd norm, a duplicate chunk); nothing changes then."""
         learner = self.learner
+        busy = busy or self.reading
         if counts is None and isinstance(body, AverageRequest | AverageReply):
             counts = body.counts
         if isinstance(body, GradientPush | GradientReply):
@@ -211,8 +229,11 @@ class GossipTrainer:
             self.peers.observe_transfer(sender, ex.sent, received, now - ex.started, now)
             self._finish(self.initiator, parsed, busy)
             if ex.part + 1 < ex.parts:  # the next part, from a fresh snapshot of it
-                self._send_part(now, ex.peer, ex.addr or addr, ex.seed, ex.part + 1, ex.parts,
-                                out)
+                nxt = (ex.peer, ex.addr or addr, ex.seed, ex.part + 1, ex.parts)
+                if busy and not self.held.room(self._part_size(ex.seed, ex.part + 1)):
+                    self.next_part = nxt  # its reply could not be held: after the step
+                else:
+                    self._send_part(now, *nxt, out)
 
     def _serve_latest(self, sender: str, addr: str, out: list[Out]) -> None:
         if self.latest is None:
@@ -228,6 +249,9 @@ class GossipTrainer:
                  busy: bool, decline: bool, out: list[Out]) -> None:
         learner = self.learner
         chunks: tuple[bytes, ...] = ()
+        if not decline and busy and not self.held.room(self._part_size(body.seed, body.part)):
+            decline = True  # its half step could not be held until the step boundary
+            self.stats["average_declined_held_full"] += 1
         if not decline:
             # a read: allowed while busy
             self.responder.begin(learner.params, body.seed, body.part)
@@ -244,26 +268,40 @@ class GossipTrainer:
 
     # -- parameter writes ---------------------------------------------------------------------
 
+    def _part_size(self, seed: int, part: int) -> int:
+        lo, hi = self.plan.part_range(seed, part)
+        return hi - lo
+
     def _finish(self, averager: ParameterAverager, snap: PeerSnapshot, busy: bool) -> None:
         """Close `averager`'s exchange: its half step goes to the parameters, or, while a step
-        is outstanding, into the pending delta."""
-        target = self.pending if busy else self.learner.params
+        is outstanding, into the held half steps."""
         try:
-            report: AveragingReport = averager.finish(target, snap)
+            report: AveragingReport = averager.finish(self.learner.params, snap,
+                                                      self.held if busy else None)
         except CodecError:  # too far apart (max_distance): refused, nothing applied
             self.stats["average_refused"] += 1
             return
-        self.dirty |= busy
         self.distance = report.distance
         self.guard.applied(report.peer.hex(), report.distance)
         self.stats["average_applied"] += 1
 
+    def read(self, active: bool, stepping: bool) -> list:
+        """The driver starts or stops reading the learner's buffers (the `Reading` event):
+        meanwhile half steps are held as while a step runs; at the end they are added, unless
+        a step is still outstanding (`stepping`). Returns no actions."""
+        self.reading = bool(active)
+        if not (active or stepping):
+            self.flush()
+        return []
+
+    @property
+    def dirty(self) -> bool:
+        """Averaging half steps wait for the step boundary."""
+        return bool(self.held)
+
     def flush(self) -> None:
         """Add the held averaging half steps to the parameters (call while no step runs)."""
-        if self.dirty:
-            self.learner.params += self.pending
-            self.pending.fill(0.0)
-            self.dirty = False
+        self.held.apply(self.learner.params)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -275,7 +313,7 @@ class GossipTrainer:
         learner, cfg = self.learner, self.config
         swarm = learner.count.total
         step = learner.step + 1
-        if cfg.fanout > 0:
+        if self.encoder is not None:
             chunks = [bytes(m) for m in self.encoder.encode_vector(
                 learner.grad, sender_id=self.sender, swarm_samples=swarm,
                 weight=float(learner.batch), seed=(self._seed_base + step) % 2**64,
@@ -289,7 +327,10 @@ class GossipTrainer:
         report = self.mixer.mix(learner.grad, float(learner.batch), swarm)
         self.last_mix = report
         learner.apply_gradient(learner.grad, loss)
-        if cfg.averaging_due(learner.step) and self.exchange is None and partners:
+        if self.next_part is not None:  # an exchange's part that waited for this boundary
+            nxt, self.next_part = self.next_part, None
+            self._send_part(now, *nxt, out)
+        elif cfg.averaging_due(learner.step) and self.exchange is None and partners:
             self._begin_average(now, partners, out)
         return report
 
@@ -328,7 +369,7 @@ class GossipTrainer:
     def close(self) -> None:
         """Stop: forget the open exchange and held results (nothing more is applied)."""
         self.exchange = None
-        self.pending.fill(0.0)
-        self.dirty = False
+        self.next_part = None
+        self.held.clear()
         self.initiator.abort()
         self.mixer.clear()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable
 
+from p2ptrain.proto.errors import LocalProtocolError
 from p2ptrain.proto.records import Holding
 
 
@@ -24,6 +25,15 @@ class Holdings:
         self.mine: Holding | None = None  # what this node holds (the driver says: Holds)
         self.said: dict[str, Holding] = {}  # member -> what it said itself
         self.relayed: dict[str, Holding] = {}  # member -> what another member relayed
+
+    def own(self, holding: Holding | None) -> None:
+        """The driver says what this node holds now (a local value: checked all the same)."""
+        if holding is not None:
+            try:
+                holding.check()
+            except ValueError as exc:
+                raise LocalProtocolError(f"Holds: {exc}") from None
+        self.mine = holding
 
     def heard(self, sender: str, holding: Holding | None, members: Container[str]) -> None:
         """A message's header: what its sender holds now (None: nothing)."""

@@ -1,0 +1,114 @@
+"""The memory a node needs to train a model, and the largest model of the rwkv family that fits
+a machine: the measured memory model of issue 15 (docs/BENCHMARKS.md §14).
+
+Peak resident memory of a node training N float32 parameters:
+
+    OVERHEAD                 interpreter, numpy/BLAS, the libraries, the built-in corpus
+  + 16 B x N                 weights, gradient, AdamW's two moments
+  + 4 B x N                  a micro-batch gradient, when a step accumulates (accum > 1)
+  + activations              the model's scratch for one micro-batch; evaluation reuses it
+  + 1.125 B x corpus tokens  a --data corpus (bytes, and the epoch's window starts)
+  networked (not --alone), bounds:
+  + NET_OVERHEAD             HTTP server and client (measured)
+  + body memory              request bodies held at once (net.body_memory_mib, 64 MiB)
+  + 2 x 4 B x part           the two averaging snapshot buffers (gossip.average_part)
+  + held averaging           half steps held while a step runs: 4 B x max(N/8, 2^24) + a part
+  with gradient pushes (gossip.fanout > 0):
+  + 4 B x N + queue_bytes    the error-feedback residual; the peer gradients waiting
+
+Checkpoint writes add nothing (written from the live buffers), nor does resuming (weights
+staged in the gradient buffer). Measured peaks are within a few percent of this (the test
+holds a small model to 15%). This file is pure: no I/O, no clock; it builds rwkv models only
+to count their parameters and activations (no buffers are allocated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from p2ptrain.models.rwkv import RWKV, RWKVConfig
+from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.trainer import held_capacity
+from p2ptrain.settings import NetConfig
+
+MB = 10**6
+OVERHEAD = 78 * MB  # measured: `join --alone` of an 87k-parameter model (1 x 64)
+NET_OVERHEAD = 4 * MB  # measured: the same networked, with no peer
+BYTES_PER_PARAM = 16  # float32 weights, gradient, Adam m, Adam v
+GOSSIP = GossipConfig()  # the defaults of gossip.queue_bytes and gossip.average_part
+BODY_MEMORY = int(NetConfig().body_memory_mib * 2**20)  # the default net.body_memory_mib
+CORPUS_BYTES_PER_TOKEN = 1.125  # uint8 tokens + int64 window starts every 64 tokens
+CHANNELS_PER_LAYER = 64  # the family: n_layer = n_embd / 64 (RWKV-4 169M: 12 x 768)
+CHANNEL_STEP = 64  # n_embd moves in steps of this
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """Peak resident bytes of one training node, by component."""
+
+    overhead: int  # interpreter, libraries, built-in corpus (+ networking)
+    weights: int
+    gradient: int
+    moments: int  # AdamW m and v
+    micro_gradient: int  # accumulation buffer (accum > 1)
+    activations: int  # scratch of one micro-batch (forward + backward); evaluation reuses it
+    corpus: int  # a --data corpus
+    averaging: int  # averaging half steps held while a step runs (networked)
+    error_feedback: int  # the residual of gradient pushes (fanout > 0)
+    push_queue: int  # peer gradients waiting to be mixed (fanout > 0)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+def footprint(n_params: int, activation_bytes: int, *, accum: int = 1,
+              networked: bool = False, pushes: bool = False, corpus_tokens: int = 0,
+              queue_bytes: int = GOSSIP.queue_bytes,
+              average_part: int = GOSSIP.average_part) -> Footprint:
+    """The peak memory of training `n_params` parameters whose micro-batch needs
+    `activation_bytes` of scratch; `networked`: not --alone; `pushes`: gossip.fanout > 0."""
+    n = int(n_params)
+    held = 4 * (held_capacity(n) + average_part) if networked else 0
+    net = NET_OVERHEAD + BODY_MEMORY + 8 * average_part if networked else 0
+    return Footprint(
+        overhead=OVERHEAD + net,
+        weights=4 * n, gradient=4 * n, moments=8 * n,
+        micro_gradient=4 * n if accum > 1 else 0,
+        activations=int(activation_bytes),
+        corpus=int(CORPUS_BYTES_PER_TOKEN * corpus_tokens),
+        averaging=held,
+        error_feedback=4 * n if pushes else 0,
+        push_queue=queue_bytes if pushes else 0,
+    )
+
+
+def rwkv_footprint(config: RWKVConfig, batch: int = 1, accum: int = 1, **kwargs) -> Footprint:
+    """`footprint` of the rwkv model `config` trained at `batch` samples per step in `accum`
+    micro-batches (other keywords as for `footprint`)."""
+    model = RWKV(config)
+    micro = -(-batch // accum)
+    return footprint(model.space.n_params, micro * model.activation_bytes_per_sample(),
+                     accum=accum, **kwargs)
+
+
+def rwkv_shape(n_embd: int, base: RWKVConfig | None = None) -> RWKVConfig:
+    """The family's member with `n_embd` channels: n_layer = n_embd / 64 (as RWKV-4 169M and
+    GPT-2 small: 12 x 768); the other fields (vocabulary, context) from `base`."""
+    return replace(base or RWKVConfig(), n_embd=n_embd,
+                   n_layer=max(1, n_embd // CHANNELS_PER_LAYER))
+
+
+def largest_trainable(memory_bytes: float, *, base: RWKVConfig | None = None, batch: int = 1,
+                      accum: int = 1, **kwargs) -> tuple[int, RWKVConfig] | None:
+    """(parameters, config) of the largest member of the rwkv family (`rwkv_shape`) whose
+    training fits in `memory_bytes` at `batch` (keywords as for `footprint`: networked,
+    pushes, corpus_tokens); None if not even the smallest fits."""
+    best = None
+    n_embd = CHANNEL_STEP
+    while True:
+        config = rwkv_shape(n_embd, base)
+        if rwkv_footprint(config, batch, accum, **kwargs).total > memory_bytes:
+            return best
+        best = (RWKV(config).space.n_params, config)
+        n_embd += CHANNEL_STEP

@@ -1,0 +1,65 @@
+"""The memory model (p2ptrain/memplan.py, issue 15): its parts, the rwkv family, the largest
+trainable model, and its prediction against a real node's peak RSS."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from p2ptrain import memplan
+from p2ptrain.models.rwkv import RWKV, RWKVConfig
+from p2ptrain.proto.gossip.trainer import held_capacity
+
+N = 100_000_000
+
+
+def test_training_needs_16_bytes_per_parameter_plus_what_is_asked_for():
+    base = memplan.footprint(N, 5_000_000)
+    assert base.weights == base.gradient == 4 * N and base.moments == 8 * N
+    assert base.total == memplan.OVERHEAD + 16 * N + 5_000_000
+    assert memplan.footprint(N, 0, accum=2).micro_gradient == 4 * N
+    pushing = memplan.footprint(N, 0, pushes=True, queue_bytes=10)
+    assert pushing.error_feedback == 4 * N and pushing.push_queue == 10
+    networked = memplan.footprint(N, 0, networked=True, average_part=1000)
+    assert networked.averaging == 4 * (held_capacity(N) + 1000)
+    assert networked.overhead > base.overhead
+    big = memplan.footprint(10**9, 0, networked=True)
+    assert big.averaging / 10**9 < 0.52  # an eighth of the model, and one part
+    assert memplan.footprint(N, 0, corpus_tokens=1000).corpus == 1125
+
+
+def test_the_rwkv_family_and_its_activations():
+    config = memplan.rwkv_shape(768)
+    assert (config.n_layer, config.n_embd, config.vocab_size) == (12, 768, 256)
+    assert memplan.rwkv_shape(768, RWKVConfig(vocab_size=50277)).vocab_size == 50277
+    model = RWKV(config)
+    f = memplan.rwkv_footprint(config, batch=8, accum=2)
+    assert f.activations == 4 * model.activation_bytes_per_sample()
+    assert f.weights == 4 * model.space.n_params and f.micro_gradient == f.weights
+
+
+def test_largest_trainable_is_the_last_member_that_fits():
+    budget = 4 * 2**30 - 0.6e9
+    params, config = memplan.largest_trainable(budget)
+    assert memplan.rwkv_footprint(config).total <= budget
+    bigger = memplan.rwkv_shape(config.n_embd + memplan.CHANNEL_STEP)
+    assert memplan.rwkv_footprint(bigger).total > budget
+    assert params == RWKV(config).space.n_params and 100e6 < params < 250e6
+    assert memplan.largest_trainable(budget, networked=True)[0] <= params
+    assert memplan.largest_trainable(2 * budget)[0] > 2 * params
+    assert memplan.largest_trainable(memplan.OVERHEAD) is None
+    longer = memplan.largest_trainable(budget, base=replace(RWKVConfig(), ctx_len=1024),
+                                       batch=8)
+    assert longer[0] < params  # activations take their share
+
+
+@pytest.mark.processes  # ~2 s here
+def test_the_prediction_is_within_15_percent_of_a_real_peak():
+    from tests.bench.memory import run_node
+
+    config = memplan.rwkv_shape(384)  # 6 x 384: 11.7M parameters, 3 steps at batch 1
+    got = run_node(config, eval_windows=4)
+    predicted = memplan.rwkv_footprint(config).total
+    assert got["checkpoints"] >= 1
+    assert abs(predicted - got["peak"]) <= 0.15 * got["peak"], (predicted, got)
