@@ -112,3 +112,31 @@ def largest_trainable(memory_bytes: float, *, base: RWKVConfig | None = None, ba
             return best
         best = (RWKV(config).space.n_params, config)
         n_embd += CHANNEL_STEP
+
+
+OS_RESERVE = 0.6 * 2**30  # what `hw` leaves the operating system (a Pi's OS and desktop)
+
+
+def largest_here(memory_bytes: float) -> dict:
+    """What `p2ptrain hw` reports: the largest rwkv (this module's family) this machine can
+    train in full at batch 1, alone and as a networked node, with OS_RESERVE left over."""
+    budget = max(0.0, memory_bytes - OS_RESERVE)
+    out: dict = {"memory_budget_bytes": int(budget)}
+    for key, networked in (("alone", False), ("networked", True)):
+        found = largest_trainable(budget, networked=networked)
+        out[key] = None if found is None else {
+            "params": found[0], "n_layer": found[1].n_layer, "n_embd": found[1].n_embd}
+    return out
+
+
+def describe_largest(found: dict) -> str:
+    """One line for people from `largest_here`'s answer."""
+    def one(entry: dict | None) -> str:
+        if entry is None:
+            return "nothing fits"
+        return (f"{entry['params'] / 1e6:,.0f}M parameters "
+                f"({entry['n_layer']} x {entry['n_embd']})")
+    budget = found["memory_budget_bytes"] / 1e9
+    return (f"largest trainable here (full training, batch 1, {budget:.1f} GB after "
+            f"{OS_RESERVE / 2**30:.1f} GiB for the OS): {one(found['networked'])} as a swarm "
+            f"node, {one(found['alone'])} alone")

@@ -117,6 +117,12 @@ def test_config_show_hw_and_bench_json(tmp_path):
     r = run_cli("hw", "--json")
     doc = json.loads(r.stdout)
     assert r.returncode == 0 and doc["cpus"] >= 1 and doc["batch"] >= 1 and doc["matmul_gflops"] > 0
+    from p2ptrain import memplan  # the largest trainable size, from the memory model
+
+    assert doc["largest_trainable"] == memplan.largest_here(doc["memory_bytes"])
+    assert doc["largest_trainable"]["alone"]["params"] > 1e6
+    text = run_cli("hw").stdout
+    assert "largest trainable here" in text and "as a swarm node" in text
     r = run_cli("bench", "--model", "mlp", "--seconds", "0.5", "--size", "8", "--json")
     doc = json.loads(r.stdout)
     assert r.returncode == 0 and doc["tokens_per_s"] > 0 and 0 < doc["ratio"] < 2

@@ -63,3 +63,14 @@ def test_the_prediction_is_within_15_percent_of_a_real_peak():
     predicted = memplan.rwkv_footprint(config).total
     assert got["checkpoints"] >= 1
     assert abs(predicted - got["peak"]) <= 0.15 * got["peak"], (predicted, got)
+
+
+def test_hw_reports_what_a_4_and_an_8_gb_pi_can_train():
+    """BENCHMARKS section 14: a 4 GB Pi trains ~180M parameters alone, an 8 GB one ~427M."""
+    four = memplan.largest_here(4 * 10**9 * 0.93)  # what such a Pi reports as available
+    eight = memplan.largest_here(8 * 10**9 * 0.93)
+    assert 100e6 < four["alone"]["params"] < 250e6 < eight["alone"]["params"] < 500e6
+    assert four["networked"]["params"] <= four["alone"]["params"]
+    assert memplan.largest_here(0.5 * 2**30) == {"memory_budget_bytes": 0, "alone": None,
+                                                 "networked": None}
+    assert "nothing fits" in memplan.describe_largest(memplan.largest_here(0))

@@ -158,6 +158,7 @@ def tokenizer_of(document: str, where: Path):
 
 
 def cmd_hw(args) -> int:
+    from p2ptrain import memplan
     from p2ptrain.hw import choose_batch, detect
     from p2ptrain.models import build_model
 
@@ -167,7 +168,9 @@ def cmd_hw(args) -> int:
     batch, accum = choose_batch(hw, model.flops_per_token() * model.ctx_len,
                                 model.activation_bytes_per_sample(),
                                 cfg["train.target_step_seconds"])
-    doc = {**hw.as_dict(), "model": model.name, "batch": batch, "accum": accum}
+    largest = memplan.largest_here(hw.memory_bytes)
+    doc = {**hw.as_dict(), "model": model.name, "batch": batch, "accum": accum,
+           "largest_trainable": largest}
     if args.json:
         print(json.dumps(doc))
         return 0
@@ -184,6 +187,7 @@ def cmd_hw(args) -> int:
     print(f"matmul         {hw.matmul_gflops:.1f} GFLOP/s (float32 512x512)")
     print(f"batch          {batch} for {model.name}" + (f" ({accum} micro-batches)"
                                                          if accum > 1 else ""))
+    print(f"model size     {memplan.describe_largest(largest)}")
     return 0
 
 
