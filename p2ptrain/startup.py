@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain import checkpoint
+from p2ptrain.calibration import calibrate
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.data.tokens import TOKENIZER_FILE, sha256_file
 from p2ptrain.errors import UserError
-from p2ptrain.hw import choose_batch, detect
+from p2ptrain.hw import explain_batch
 from p2ptrain.identity import Identity, load_or_create
 from p2ptrain.learner import Learner
 from p2ptrain.models import Model, build_model, hf
@@ -80,17 +81,22 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
     model, hf_dir = model_for(settings, corpus)
     train = settings.train
     batch, accum = train.batch, train.accum or 1
-    hw = detect() if batch == 0 or not alone else None
+    found = calibrate(state_dir) if batch == 0 or not alone else None
+    hw = found.hardware if found is not None else None
+    for warning in found.warnings if found is not None else ():
+        reporter.warn(warning, event="calibration")
     if batch == 0:
-        batch, auto_accum = choose_batch(hw, model.flops_per_token() * model.ctx_len,
-                                         model.activation_bytes_per_sample(),
-                                         train.target_step_seconds)
-        accum = train.accum or auto_accum
+        choice = explain_batch(hw, model.flops_per_token() * model.ctx_len,
+                               model.activation_bytes_per_sample(), train.target_step_seconds)
+        batch, accum = choice.batch, train.accum or choice.accum
         micro = f" in {accum} micro-batches" if accum > 1 else ""
+        floor = (f" ({hw.device_class} floor; the measured speed gave {choice.measured_batch})"
+                 if choice.floor_applied else "")
         reporter.info(f"hardware: {hw.device_class}, {hw.cpus:g} cores, "
                       f"{hw.memory_bytes / 2**30:.1f} GiB usable, {hw.matmul_gflops:.0f} GFLOP/s "
-                      f"matmul -> batch {batch}{micro}",
-                      event="hardware", batch=batch, accum=accum, **hw.as_dict())
+                      f"matmul ({found.source}) -> batch {batch}{micro}{floor}",
+                      event="hardware", batch=batch, accum=accum, **hw.as_dict(),
+                      matmul=found.as_dict(), choice=choice.as_dict())
     if batch % accum:
         raise UserError(f"batch {batch} is not a multiple of train.accum {accum}")
     learner = Learner(model, identity.node_id, train, corpus, batch, accum,

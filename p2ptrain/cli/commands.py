@@ -159,20 +159,24 @@ def tokenizer_of(document: str, where: Path):
 
 def cmd_hw(args) -> int:
     from p2ptrain import memplan
-    from p2ptrain.hw import choose_batch, detect
+    from p2ptrain.calibration import calibrate
+    from p2ptrain.hw import explain_batch
     from p2ptrain.models import build_model
 
     cfg = resolve_config(args)
-    hw = detect()
     model = build_model(cfg["model.name"], cfg.model_config())
-    batch, accum = choose_batch(hw, model.flops_per_token() * model.ctx_len,
-                                model.activation_bytes_per_sample(),
-                                cfg["train.target_step_seconds"])
+    found = calibrate(Path(cfg["node.state_dir"]).expanduser())
+    for warning in found.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    hw = found.hardware
+    choice = explain_batch(hw, model.flops_per_token() * model.ctx_len,
+                           model.activation_bytes_per_sample(),
+                           cfg["train.target_step_seconds"])
     largest = memplan.largest_here(hw.memory_bytes)
-    doc = {**hw.as_dict(), "model": model.name, "batch": batch, "accum": accum,
-           "largest_trainable": largest}
     if args.json:
-        print(json.dumps(doc))
+        print(json.dumps({**hw.as_dict(), "model": model.name, "batch": choice.batch,
+                          "accum": choice.accum, "matmul": found.as_dict(),
+                          "choice": choice.as_dict(), "largest_trainable": largest}))
         return 0
     limits = []
     if hw.cgroup_cpu_limit is not None:
@@ -184,9 +188,12 @@ def cmd_hw(args) -> int:
     print(f"cores          {hw.cpus:g} usable of {hw.cpus_host}")
     print(f"memory         {hw.memory_bytes / 2**30:.1f} GiB usable")
     print(f"limits         {', '.join(limits) if limits else 'none (not in a limited cgroup)'}")
-    print(f"matmul         {hw.matmul_gflops:.1f} GFLOP/s (float32 512x512)")
-    print(f"batch          {batch} for {model.name}" + (f" ({accum} micro-batches)"
-                                                         if accum > 1 else ""))
+    for k, line in enumerate(found.describe()):
+        print(f"{'' if k else 'matmul':<14} {line}")
+    print(f"batch          {choice.batch} for {model.name}" + (
+        f" ({choice.accum} micro-batches)" if choice.accum > 1 else ""))
+    for k, line in enumerate(choice.explain()):
+        print(f"{'' if k else 'why':<14} {line}")
     print(f"model size     {memplan.describe_largest(largest)}")
     return 0
 
