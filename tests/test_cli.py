@@ -168,3 +168,10 @@ def test_checkpoint_fetch_from_a_dead_port_says_so(tmp_path):
                 str(tmp_path / "out"), timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"nothing listens at 127.0.0.1:{port} (connection refused)" in r.stderr, r.stderr
+
+
+def test_checkpoint_fetch_without_a_token_says_it_looked_for_the_demo_swarm(tmp_path):
+    r = run_cli("checkpoint", "fetch", "--timeout", "1", "--out", str(tmp_path / "out"),
+                env=cli_env(P2PTRAIN_NET_MDNS="false"), timeout=60)  # no mDNS: nothing leaves
+    assert r.returncode == 2 and "no --token or --config" in r.stderr, r.stderr
+    assert "give your swarm's token or config" in r.stderr

@@ -340,6 +340,8 @@ def cmd_fetch(args, flags: dict) -> int:
     files = (MODEL_FILE,) if args.weights_only else DATA_FILES
     say = lambda text: print(text, file=sys.stderr)  # noqa: E731
     problems: list[str] = []
+    if swarm.is_demo:
+        say(f"no --token or --config: looking for the public demo swarm for {args.timeout:g}s")
 
     async def run():
         async with aiohttp.ClientSession() as session:
@@ -368,8 +370,10 @@ def cmd_fetch(args, flags: dict) -> int:
                     bar.close()
         where = f" at {', '.join(peers)}" if peers else " by mDNS (give --peer HOST:PORT)"
         why = f": {'; '.join(dict.fromkeys(problems))}" if problems else ""
+        demo = ("; no --token or --config was given, so this looked for the public demo swarm: "
+                "give your swarm's token or config" if swarm.is_demo else "")
         raise UserError(f"no leader of swarm {swarm.name!r} found{where} within "
-                        f"{args.timeout:g}s{why}")
+                        f"{args.timeout:g}s{why}{demo}")
 
     try:
         fetched = asyncio.run(run())
