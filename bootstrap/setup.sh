@@ -109,6 +109,6 @@ if [ "$extras" = "[test]" ]; then
   "${pip[@]}" torch==2.13.0
   extras="[test,hf]"
 fi
-say "installing p2ptrain$extras (numpy, aiohttp, zeroconf, cryptography, xxhash, safetensors)"
+say "installing p2ptrain$extras (numpy, aiohttp, zeroconf, cryptography, xxhash, prometheus-client, tqdm, tokenizers)"
 "${pip[@]}" -e "$repo$extras"
 say "done: $("$venv/bin/p2ptrain" --version). Start training with: $venv/bin/p2ptrain join"
