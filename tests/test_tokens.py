@@ -61,6 +61,7 @@ def test_prepare_writes_uint16_shards_split_at_the_tail(shakespeare):
     whole = np.concatenate([prepared.train[0 : prepared.train.size],
                             prepared.heldout[0 : prepared.heldout.size]])
     assert whole.size == meta["tokens"]
+    assert prepared.train[5:5].size == 0 and prepared.train[10**12 :].size == 0
     for a, b in ((49_990, 50_020), (0, 7), (prepared.train.size - 5, prepared.train.size)):
         assert np.array_equal(prepared.train[a:b], whole[a:b])
 

@@ -70,7 +70,9 @@ class TokenShards:
             parts.append(self.maps[i][lo : lo + take])
             a += take
             i += 1
-        out = np.concatenate(parts) if len(parts) != 1 else np.asarray(parts[0])
+        if not parts:
+            return np.empty(0, self.dtype)
+        out = np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
         if out.size and int(out.max()) >= self.vocab_size:
             raise TokenDataError(f"a token id {int(out.max())} is not below the vocabulary "
                                  f"size {self.vocab_size} (the shards are damaged)")
