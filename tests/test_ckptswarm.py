@@ -67,7 +67,6 @@ class Holder:
     chunk_requests: int = 0
     runner: web.AppRunner | None = None
     addr: str = ""
-    stop_after: int | None = None  # close the server after this many chunk answers
 
     def __post_init__(self):
         self.shelf = Shelf(lambda: [self.root])
@@ -122,8 +121,22 @@ def signer() -> Signer:
     return Signer(KEY, secrets.token_hex(16), 1)
 
 
-def chunks_served(holder: Holder) -> int:
-    return holder.chunk_requests
+def copies(tmp_path: Path, path: Path, n: int, rate: float) -> list[Holder]:
+    """n holders capped at `rate`: the leader (which wrote `path`) and n - 1 with a copy."""
+    holders = [Holder(f"h{i}", tmp_path / f"h{i}", TokenBucket(rate)) for i in range(n)]
+    holders[0].root = path.parent
+    for h in holders[1:]:
+        copy_to(path, h.root)
+    return holders
+
+
+def fetch_once(holders: list[Holder], out: Path, manifest: mf.Manifest, seed: int, **kw):
+    """Serve `holders` and fetch from all of them once, in a fresh event loop."""
+    async def run():
+        async with running(holders), aiohttp.ClientSession() as session:
+            return await fetch_checkpoint(session, [h.addr for h in holders], signer(), out,
+                                          expected_leader=manifest.leader, seed=seed, **kw)
+    return asyncio.run(run())
 
 
 def same_files(a: Path, b: Path, files=mf.DATA_FILES) -> bool:
@@ -132,21 +145,10 @@ def same_files(a: Path, b: Path, files=mf.DATA_FILES) -> bool:
 
 def test_three_capped_holders_each_serve_a_share_and_every_byte_verifies(tmp_path):
     path, manifest = make_checkpoint(tmp_path / "lead", tmp_path)
-    rate = 1.5e6  # bytes/s each: the 1.3 MB checkpoint takes ~0.3 s from three
-    holders = [Holder(f"h{i}", tmp_path / f"h{i}", TokenBucket(rate)) for i in range(3)]
-    holders[0].root = tmp_path / "lead"
-    for h in holders[1:]:
-        copy_to(path, h.root)
+    holders = copies(tmp_path, path, 3, 1.5e6)  # 1.3 MB: ~0.3 s from three at 1.5 MB/s
     seen = []
-
-    async def run():
-        async with running(holders), aiohttp.ClientSession() as session:
-            return await fetch_checkpoint(
-                session, [h.addr for h in holders], signer(), tmp_path / "out",
-                expected_leader=manifest.leader, seed=1,
-                progress=lambda done, total, n: seen.append((done, total, n)))
-
-    got = asyncio.run(run())
+    got = fetch_once(holders, tmp_path / "out", manifest, 1,
+                     progress=lambda done, total, n: seen.append((done, total, n)))
     assert got.path == tmp_path / "out" / manifest.id and same_files(got.path, path)
     assert store.read_manifest(got.path) == manifest
     n = len(manifest.chunks())
@@ -160,10 +162,7 @@ def test_three_capped_holders_each_serve_a_share_and_every_byte_verifies(tmp_pat
 
 def test_a_holder_that_dies_mid_fetch_is_dropped_and_the_others_finish(tmp_path):
     path, manifest = make_checkpoint(tmp_path / "lead", tmp_path)
-    holders = [Holder(f"h{i}", tmp_path / f"h{i}", TokenBucket(1e6)) for i in range(3)]
-    holders[0].root = tmp_path / "lead"
-    for h in holders[1:]:
-        copy_to(path, h.root)
+    holders = copies(tmp_path, path, 3, 1e6)
     dying = holders[0]  # the leader itself dies
 
     async def run():
@@ -197,13 +196,7 @@ def test_a_holder_serving_wrong_bytes_is_named_and_dropped(tmp_path):
             f.write(b"\xff")
     liar.shelf.register(Held(bad, manifest, None))  # it claims the bytes are fine
 
-    async def run():
-        async with running([honest, liar]), aiohttp.ClientSession() as session:
-            return await fetch_checkpoint(session, [honest.addr, liar.addr], signer(),
-                                          tmp_path / "out", expected_leader=manifest.leader,
-                                          seed=3)
-
-    got = asyncio.run(run())
+    got = fetch_once([honest, liar], tmp_path / "out", manifest, 3)
     assert same_files(got.path, path)
     assert "do not match the manifest" in got.dropped[liar.addr], got.dropped
     assert honest.addr not in got.dropped
@@ -218,13 +211,7 @@ def test_a_partial_holder_serves_only_the_chunks_it_verified(tmp_path):
     have = {mf.MODEL_FILE: set(range(0, n_model, 2)), mf.STATE_FILE: set()}
     part.shelf.register(Held(copy, manifest, have))
 
-    async def run():
-        async with running([leader, part]), aiohttp.ClientSession() as session:
-            return await fetch_checkpoint(session, [leader.addr, part.addr], signer(),
-                                          tmp_path / "out", expected_leader=manifest.leader,
-                                          seed=4)
-
-    got = asyncio.run(run())
+    got = fetch_once([leader, part], tmp_path / "out", manifest, 4)
     assert same_files(got.path, path) and not got.dropped
     assert 0 < got.served[part.addr] <= len(have[mf.MODEL_FILE])
     assert part.served <= len(have[mf.MODEL_FILE]) * CHUNK  # it never sent a chunk it lacks
@@ -316,10 +303,7 @@ def test_a_capped_server_sends_no_faster_than_its_bucket(tmp_path):
 def test_chunks_in_flight_are_bounded_however_many_holders(tmp_path):
     """Each chunk in flight is held in memory: a Pi with many sources must not hold dozens."""
     path, manifest = make_checkpoint(tmp_path / "lead", tmp_path)
-    holders = [Holder(f"h{i}", tmp_path / f"h{i}", TokenBucket(2e5)) for i in range(6)]
-    holders[0].root = tmp_path / "lead"
-    for h in holders[1:]:
-        copy_to(path, h.root)
+    holders = copies(tmp_path, path, 6, 2e5)
     now, most = [0], [0]
 
     @web.middleware
@@ -341,13 +325,7 @@ def test_chunks_in_flight_are_bounded_however_many_holders(tmp_path):
     for h in holders:
         h.app = lambda h=h: app_with_gauge(h)
 
-    async def run():
-        async with running(holders), aiohttp.ClientSession() as session:
-            return await fetch_checkpoint(session, [h.addr for h in holders], signer(),
-                                          tmp_path / "out", expected_leader=manifest.leader,
-                                          seed=9)
-
-    got = asyncio.run(run())
+    got = fetch_once(holders, tmp_path / "out", manifest, 9)
     assert same_files(got.path, path)
     assert 6 < most[0] <= fetchmod.MAX_IN_FLIGHT, most
     assert sum(1 for n in got.served.values() if n) >= 4
