@@ -255,6 +255,38 @@ class RWKV(Model):
             self._scratch.popitem(last=False)
         return ws
 
+    # ------------------------------------------------------------ weights (LoRA overrides these)
+
+    def _params(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Every tensor the forward pass reads, by name."""
+        return self.space.views(flat)
+
+    def _grads(self, grad: np.ndarray) -> dict[str, np.ndarray]:
+        """Where the backward pass writes each tensor's gradient, by name."""
+        return self.space.views(grad)
+
+    def _embed(self, p, ids, out):
+        """out = the embedding rows of ids (N, C)."""
+        return np.take(p["emb"], ids, axis=0, out=out)
+
+    def _embed_back(self, g, ids, rows):
+        """The embedding's gradient: `rows` (one per distinct id in ids), zero elsewhere."""
+        g["emb"].fill(0.0)
+        g["emb"][ids] = rows
+
+    def _linear(self, p, name, x, out, ws, cm=False):
+        """out = x @ W (N, out) for the matrix `name`, W stored (in, out); with cm the
+        result is written channel-major, out = (x @ W).T of shape (out, N)."""
+        w = p[name]
+        return np.matmul(w.T, x.T, out=out) if cm else np.matmul(x, w, out=out)
+
+    def _linear_back(self, p, g, name, x, dy, out, ws, cm=False):
+        """Backward of y = x @ W: W's gradient x.T @ dy into g, and d loss / d x = dy @ W.T
+        into out (cm: channel-major, (in, N))."""
+        np.matmul(x.T, dy, out=g[name])
+        w = p[name]
+        return np.matmul(w, dy.T, out=out) if cm else np.matmul(dy, w.T, out=out)
+
     # ------------------------------------------------------------ forward
 
     def _forward(self, p, inputs, ws, keep=True):
@@ -264,7 +296,7 @@ class RWKV(Model):
         L, n = self._layout(T)
         lay, N, C = (L, B, n), L * B * n, self.config.n_embd
         ids = self._to_rows(inputs, L, n)
-        x = np.take(p["emb"], ids, axis=0, out=ws.empty("x", (N, C)))  # (N, C) residual stream
+        x = self._embed(p, ids, ws.empty("x", (N, C)))  # (N, C) residual stream
         # LN0 of the rows looked up, in place (not of the whole (V, C) table: a big vocabulary
         # would cost two table-sized temporaries per step)
         _, ln0 = layer_norm(x, p["ln0.weight"], p["ln0.bias"], ws.empty("ln0.xhat", (N, C)), x)
@@ -289,9 +321,9 @@ class RWKV(Model):
         xv = token_mix(h, d, p[a + "time_mix_v"], ws.empty(t + "xv", (N, C)))
         xr = token_mix(h, d, p[a + "time_mix_r"], ws.empty(t + "xr", (N, C)))
         # channel-major projections (C, N) = (C, L, B*n): the WKV's layout
-        k = np.matmul(p[a + "key"].T, xk.T, out=ws.empty("k", (C, N)))
-        v = np.matmul(p[a + "value"].T, xv.T, out=ws.empty("v", (C, N)))
-        sr = np.matmul(p[a + "receptance"].T, xr.T, out=ws.empty(t + "sr", (C, N)))
+        k = self._linear(p, a + "key", xk, ws.empty("k", (C, N)), ws, cm=True)
+        v = self._linear(p, a + "value", xv, ws.empty("v", (C, N)), ws, cm=True)
+        sr = self._linear(p, a + "receptance", xr, ws.empty(t + "sr", (C, N)), ws, cm=True)
         sigmoid(sr, out=sr)
         w = -np.exp(p[a + "time_decay"])  # (C,)
         M = B * n
@@ -300,7 +332,7 @@ class RWKV(Model):
         )
         wkv = wkv.reshape(C, N)
         rwkv = np.multiply(sr, wkv, out=ws.empty(t + "rwkv", (C, N)))  # (C, N)
-        x += np.matmul(rwkv.T, p[a + "output"], out=ws.empty("out", (N, C)))
+        x += self._linear(p, a + "output", rwkv.T, ws.empty("out", (N, C)), ws)
         return ln, d, xk, xv, xr, sr, w, wkv, wkv_cache, rwkv
 
     def _channel_mix_forward(self, p, i, x, lay, ws, t):
@@ -312,12 +344,12 @@ class RWKV(Model):
         d = token_diff(h, lay, ws.empty(t + "d", (N, C)))
         xk = token_mix(h, d, p[f + "time_mix_k"], ws.empty(t + "xk", (N, C)))
         xr = token_mix(h, d, p[f + "time_mix_r"], ws.empty(t + "xr", (N, C)))
-        kr = np.matmul(xk, p[f + "key"], out=ws.empty(t + "kr", (N, F)))  # (N, F)
+        kr = self._linear(p, f + "key", xk, ws.empty(t + "kr", (N, F)), ws)  # (N, F)
         zero, inf = kr.dtype.type(0.0), kr.dtype.type(np.inf)
         np.clip(kr, zero, inf, out=kr)  # relu (np.clip beats np.maximum 3x here)
         k = np.square(kr, out=ws.empty(t + "k", (N, F)))
-        kv = np.matmul(k, p[f + "value"], out=ws.empty(t + "kv", (N, C)))  # (N, C)
-        sr = np.matmul(xr, p[f + "receptance"], out=ws.empty(t + "sr", (N, C)))
+        kv = self._linear(p, f + "value", k, ws.empty(t + "kv", (N, C)), ws)  # (N, C)
+        sr = self._linear(p, f + "receptance", xr, ws.empty(t + "sr", (N, C)), ws)
         sigmoid(sr, out=sr)
         x += np.multiply(sr, kv, out=ws.empty("out", (N, C)))
         return ln, d, xk, xr, kr, k, kv, sr
@@ -330,8 +362,8 @@ class RWKV(Model):
         N, C = dx.shape
         L, B, n = lay
         ln, d, xk, xv, xr, sr, w, wkv, wkv_cache, rwkv = cache
-        np.matmul(rwkv, dx, out=g[a + "output"])  # (C, C)
-        drwkv = np.matmul(p[a + "output"], dx.T, out=ws.empty("dCN", (C, N)))  # (C, N)
+        drwkv = self._linear_back(p, g, a + "output", rwkv.T, dx, ws.empty("dCN", (C, N)), ws,
+                                  cm=True)  # (C, N)
         dwkv = np.multiply(drwkv, sr, out=ws.empty("dwkv", (C, N)))
         drwkv *= wkv
         dr = sigmoid_backward(drwkv, sr)  # (C, N)
@@ -343,8 +375,8 @@ class RWKV(Model):
             (("key", xk, dk), ("value", xv, dv), ("receptance", xr, dr))
         ):
             dm = dm.reshape(C, N)
-            np.matmul(xm.T, dm.T, out=g[a + name])  # (C, C)
-            dmixed.append(np.matmul(dm.T, p[a + name].T, out=ws.empty(f"dmix{j}", (N, C))))
+            dmixed.append(self._linear_back(p, g, a + name, xm, dm.T,
+                                            ws.empty(f"dmix{j}", (N, C)), ws))
         mixes = ("time_mix_k", "time_mix_v", "time_mix_r")
         dh = token_mix_backward(
             dmixed, [p[a + m] for m in mixes], d, [g[a + m] for m in mixes], lay,
@@ -361,15 +393,11 @@ class RWKV(Model):
         ln, d, xk, xr, kr, k, kv, sr = cache
         dkv = np.multiply(dx, sr, out=ws.empty("dmix0", (N, C)))  # (N, C)
         dr = sigmoid_backward(np.multiply(dx, kv, out=ws.empty("dmix1", (N, C))), sr)
-        np.matmul(k.T, dkv, out=g[f + "value"])  # (F, C)
-        dk = np.matmul(dkv, p[f + "value"].T, out=ws.empty("dk", kr.shape))  # (N, F)
-        dk *= kr  # d square(relu(z)) = 2 relu(z): the 2 is applied to the smaller arrays below
-        np.matmul(xk.T, dk, out=g[f + "key"])  # (C, F)
-        g[f + "key"] *= 2.0
-        dxk = np.matmul(dk, p[f + "key"].T, out=ws.empty("dmix0", (N, C)))  # (N, C)
-        dxk *= 2.0
-        np.matmul(xr.T, dr, out=g[f + "receptance"])  # (C, C)
-        dxr = np.matmul(dr, p[f + "receptance"].T, out=ws.empty("dmix2", (N, C)))
+        dk = self._linear_back(p, g, f + "value", k, dkv, ws.empty("dk", kr.shape), ws)  # (N, F)
+        dk *= kr  # d square(relu(z)) = 2 relu(z)
+        dk *= 2.0  # exact: the same bits as scaling the products after
+        dxk = self._linear_back(p, g, f + "key", xk, dk, ws.empty("dmix0", (N, C)), ws)
+        dxr = self._linear_back(p, g, f + "receptance", xr, dr, ws.empty("dmix2", (N, C)), ws)
         mixes = ("time_mix_k", "time_mix_r")
         dh = token_mix_backward(
             [dxk, dxr], [p[f + m] for m in mixes], d, [g[f + m] for m in mixes], lay,
@@ -404,7 +432,7 @@ class RWKV(Model):
         B, T = tokens.shape[0], tokens.shape[1] - 1
         L, n = self._layout(T)
         lay = (L, B, n)
-        p, g = self.space.views(flat), self.space.views(grad)
+        p, g = self._params(flat), self._grads(grad)
         for start, end in self._padding:
             grad[start:end] = 0.0
         with self._lock:
@@ -413,15 +441,16 @@ class RWKV(Model):
             N, C = h.shape
             targets, rows = self._targets(tokens, L, n)
             hr = h if rows is None else h[rows]
-            dlogits = np.matmul(hr, p["head"], out=ws.empty("logits", (len(hr), self.vocab_size)))
+            dlogits = self._linear(p, "head", hr, ws.empty("logits", (len(hr), self.vocab_size)),
+                                   ws)
             loss = cross_entropy(dlogits, targets)  # dlogits now holds d loss / d logits
-            np.matmul(hr.T, dlogits, out=g["head"])  # (C, V)
             dh = ws.empty("dh", (N, C))
             if rows is None:
-                np.matmul(dlogits, p["head"].T, out=dh)
+                self._linear_back(p, g, "head", hr, dlogits, dh, ws)
             else:
                 dh.fill(0.0)
-                dh[rows] = dlogits @ p["head"].T
+                dh[rows] = self._linear_back(p, g, "head", hr, dlogits,
+                                             ws.empty("dhr", (len(hr), C)), ws)
             dx = ws.empty("dx", (N, C))
             layer_norm_backward(
                 dh, lno, p["ln_out.weight"], g["ln_out.weight"], g["ln_out.bias"], dx,
@@ -440,17 +469,17 @@ class RWKV(Model):
             sorted_ids = ids[order]
             starts = np.flatnonzero(np.diff(sorted_ids, prepend=-1))
             dx_sorted = np.take(dx, order, axis=0, out=ws.empty("gd", (N, C)))
-            g["emb"].fill(0.0)
-            g["emb"][sorted_ids[starts]] = np.add.reduceat(dx_sorted, starts, axis=0)
+            self._embed_back(g, sorted_ids[starts], np.add.reduceat(dx_sorted, starts, axis=0))
         return loss
 
     def _logits_rows(self, flat: np.ndarray, inputs: np.ndarray) -> np.ndarray:
         """(N, V) logits in chunk-major row order, freshly allocated."""
         B, T = inputs.shape
         with self._lock:
-            p = self.space.views(flat)
-            h, _ = self._forward(p, inputs, self._workspace(B, T, flat.dtype), keep=False)
-            return h @ p["head"]
+            p = self._params(flat)
+            ws = self._workspace(B, T, flat.dtype)
+            h, _ = self._forward(p, inputs, ws, keep=False)
+            return self._linear(p, "head", h, np.empty((len(h), self.vocab_size), h.dtype), ws)
 
     def loss(self, flat: np.ndarray, tokens: np.ndarray) -> float:
         self._check(flat, tokens[:, :-1])
@@ -458,11 +487,12 @@ class RWKV(Model):
         L, n = self._layout(T)
         targets, rows = self._targets(tokens, L, n)
         with self._lock:  # all in scratch memory: the same arrays as a training step's
-            p = self.space.views(flat)
+            p = self._params(flat)
             ws = self._workspace(B, T, flat.dtype)
             h, _ = self._forward(p, tokens[:, :-1], ws, keep=False)
             hr = h if rows is None else h[rows]
-            logits = np.matmul(hr, p["head"], out=ws.empty("logits", (len(hr), self.vocab_size)))
+            logits = self._linear(p, "head", hr, ws.empty("logits", (len(hr), self.vocab_size)),
+                                  ws)
             return cross_entropy(logits, targets)
 
     def logits(self, flat: np.ndarray, tokens: np.ndarray) -> np.ndarray:
