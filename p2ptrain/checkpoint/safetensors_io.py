@@ -71,6 +71,20 @@ class ChunkHasher:
         return FileDigest(self.size, self.chunk_size, self.digests)
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor whose bytes are made only when the writer reaches it (a narrowed copy of a
+    big tensor: one exists at a time). `dtype` is the safetensors name (BF16 included)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    make: Callable[[], np.ndarray]  # -> a contiguous array of exactly those bytes
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * storage_dtype(self.dtype).itemsize
+
+
 def storage_dtype(name: str) -> np.dtype:
     """The numpy dtype a tensor of safetensors dtype `name` is read into."""
     return np.dtype(DTYPES[name] if name in DTYPES else RAW_DTYPES[name])
@@ -98,7 +112,8 @@ def write_safetensors(
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, arr in tensors:
-        dtype = DTYPE_NAMES.get(arr.dtype.newbyteorder("<").str)
+        dtype = (arr.dtype if isinstance(arr, Deferred)
+                 else DTYPE_NAMES.get(arr.dtype.newbyteorder("<").str))
         if dtype is None:
             raise ValueError(f"tensor {name}: unsupported dtype {arr.dtype}")
         header[name] = {"dtype": dtype, "shape": list(arr.shape),
@@ -114,7 +129,10 @@ def write_safetensors(
         hasher.update(memoryview(head))
         written = len(head)
         for _name, arr in tensors:
-            data = _bytes_of(np.ascontiguousarray(arr))
+            data = _bytes_of(arr.make() if isinstance(arr, Deferred)
+                             else np.ascontiguousarray(arr))
+            if len(data) != arr.nbytes:
+                raise ValueError(f"tensor {_name}: {len(data)} bytes made, {arr.nbytes} declared")
             for start in range(0, len(data), WRITE_PIECE):
                 piece = data[start : start + WRITE_PIECE]
                 f.write(piece)

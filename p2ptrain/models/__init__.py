@@ -27,7 +27,7 @@ def fingerprint(model: Model, tokenizer: str = "bytes") -> str:
     interchangeable (architecture, parameter layout, vocabulary, tokenizer, training mode).
     Byte-level models leave the tokenizer out, as before tokenizers existed."""
     body = {"arch": model.arch(), "layout": model.space.fingerprint(),
-            "vocab": model.vocab_size, "mode": "full"}
+            "vocab": model.vocab_size, "mode": model.mode}
     if tokenizer != "bytes":
         body["tokenizer"] = tokenizer
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]

@@ -20,6 +20,7 @@ class Model(ABC):
     """A language model over byte tokens: tokens (B, T+1) -> next-token loss on T positions."""
 
     name: str  # registry name, e.g. "rwkv"
+    mode = "full"  # "full": every weight trains; "lora": adapters on a frozen base
     space: ParamSpace  # layout of parameters (and of gradients)
     vocab_size: int  # number of token ids (256 for bytes)
     ctx_len: int  # T: positions per training window; a batch is (B, T+1) tokens

@@ -191,11 +191,16 @@ class RWKV(Model):
             shapes += [(b + "ffn.value", (F, C))]
         shapes += [("ln_out.weight", (C,)), ("ln_out.bias", (C,)), ("head", (C, V))]
         self.space = ParamSpace(shapes)
-        ends = [s.offset + s.size for s in self.space]
-        starts = [s.offset for s in self.space][1:] + [self.space.size]
-        self._padding = [(e, s) for e, s in zip(ends, starts, strict=True) if s > e]
+        self._padding = self._paddings(self.space)
         self._scratch: OrderedDict[tuple, Scratch] = OrderedDict()
         self._lock = threading.Lock()  # one call at a time uses the scratch memory
+
+    @staticmethod
+    def _paddings(space: ParamSpace) -> list[tuple[int, int]]:
+        """[start, end) of the gaps between tensors (their gradient is kept zero)."""
+        ends = [s.offset + s.size for s in space]
+        starts = [s.offset for s in space][1:] + [space.size]
+        return [(e, s) for e, s in zip(ends, starts, strict=True) if s > e]
 
     def arch(self) -> dict:
         return {"model": self.name, **asdict(self.config)}

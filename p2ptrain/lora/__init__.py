@@ -1,0 +1,1 @@
+"""LoRA mode: frozen base directories (basefile.py); the model is models/lora.py."""
