@@ -62,6 +62,21 @@ def adapter_space(full: ParamSpace, names: list[str], rank: int) -> ParamSpace:
     return ParamSpace(shapes)
 
 
+def lora_sizes(config: RWKVConfig, lora: LoRAConfig) -> tuple[int, float]:
+    """(adapter parameters, FLOPs per token of a training step) of `config` in LoRA mode,
+    without a base. FLOPs: as the full model's, but the frozen matrices cost 4 per weight
+    (forward and d loss / d x, no weight gradient) and each adapter 8 r in + 6 r out
+    (forward 2 + 2; backward x @ A again, both weight gradients, d u and d x)."""
+    full = RWKV(config)  # shapes only: no buffer is allocated
+    names = adapted_names(full.space, lora.targets)
+    r = lora.rank
+    weights = sum(s.size for s in full.space if len(s.shape) == 2 and s.name != "emb")
+    shapes = [full.space.slot(n).shape for n in names]
+    adapters = sum(8 * r * i + 6 * r * o for i, o in shapes)
+    params = sum(r * (i + o) for i, o in shapes)
+    return params, full.flops_per_token() - 2.0 * weights + adapters
+
+
 class LoRARWKV(RWKV):
     """RWKV(config) whose weights are `base` plus trainable adapters; `space` is theirs."""
 
@@ -176,15 +191,7 @@ class LoRARWKV(RWKV):
     # ------------------------------------------------------------ figures and merging
 
     def flops_per_token(self) -> float:
-        """As the full model's, but the frozen matrices cost 4 FLOPs per weight (forward and
-        d loss / d x, no weight gradient) and each adapter 8 r in + 6 r out (forward 2 + 2,
-        backward: x @ A again, both weight gradients, d u and d x)."""
-        full = super().flops_per_token()
-        weights = sum(s.size for s in self.full_space if len(s.shape) == 2 and s.name != "emb")
-        r = self.lora.rank
-        adapters = sum(8 * r * self.full_space.slot(n).shape[0]
-                       + 6 * r * self.full_space.slot(n).shape[1] for n in self.adapted)
-        return full - 2.0 * weights + adapters
+        return lora_sizes(self.config, self.lora)[1]
 
     def merge(self, flat: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out (a buffer of `full_space`, float32 or float64) = base + s * A @ B of the
