@@ -30,6 +30,7 @@ from p2ptrain.settings import (
     EvalConfig,
     HostConfig,
     LogConfig,
+    LoraSettings,
     NetConfig,
     Settings,
     SwarmConfig,
@@ -317,4 +318,5 @@ def settings_of(cfg: Config) -> Settings:
         eval=_fill(EvalConfig, cfg, "eval"), checkpoint=_fill(CheckpointConfig, cfg, "checkpoint"),
         host=_fill(HostConfig, cfg, "node"), node=_fill(NodeConfig, cfg, "node", gossip=gossip),
         swarm=_fill(SwarmConfig, cfg, "swarm"), net=_fill(NetConfig, cfg, "net"),
-        log=_fill(LogConfig, cfg, "log"), init_from=cfg.values["model.init_from"])
+        log=_fill(LogConfig, cfg, "log"), init_from=cfg.values["model.init_from"],
+        lora=_fill(LoraSettings, cfg, "lora"))

@@ -55,6 +55,9 @@ class TrainConfig:
                              flag="--duration", minimum=0)
     target_step_seconds: float = option(0.25, "step time the automatic batch size aims at",
                                         minimum=0.01)
+    mode: str = option("full", "full: every weight trains; lora: low-rank adapters on a "
+                       "frozen 16-bit base ([lora]), only they travel", flag="--mode",
+                       choices=("full", "lora"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 from p2ptrain.learner import TrainConfig
 from p2ptrain.models import MODELS
+from p2ptrain.models.lora import DEFAULT_TARGETS, LoRAConfig
 from p2ptrain.models.presets import PRESETS as MODEL_PRESETS
 from p2ptrain.options import option
 from p2ptrain.proto.config import PRESETS, ProtoConfig
@@ -35,6 +36,26 @@ class ModelChoice:
     init_from: str = option("", "start from a Hugging Face RWKV-4 directory (config.json, "
                             "safetensors weights, tokenizer.json): its shape and weights; the "
                             "data must use its tokenizer", flag="--init-from")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSettings:
+    """[lora]: the adapters and the frozen base of train.mode = "lora"."""
+
+    rank: int = option(16, "rank r of each adapter (A: in x r, B: r x out)", flag="--lora-rank",
+                       minimum=1)
+    alpha: float = option(32.0, "adapters are scaled by alpha / rank", minimum=0.0)
+    targets: str = option(DEFAULT_TARGETS, "matrices that get adapters: comma-separated name "
+                          "patterns (blocks.*.att.* = all of time-mix; head = the output head)")
+    base: str = option("", "the frozen base: a base directory, a p2ptrain checkpoint or a "
+                       "Hugging Face RWKV-4 directory (made into a base in the state "
+                       "directory once), or a base id (16 hex) to fetch from the swarm; empty: "
+                       "model.init_from", flag="--base")
+    base_dtype: str = option("bf16", "dtype a base is written in when made from a checkpoint "
+                             "or Hugging Face directory", choices=("bf16", "fp16", "fp32"))
+
+    def adapters(self) -> LoRAConfig:
+        return LoRAConfig(self.rank, self.alpha, self.targets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +173,7 @@ class LogConfig:
 
 # TOML section -> the dataclasses whose option fields make it up, in `config show` order
 SECTIONS: tuple[tuple[str, type], ...] = (
-    ("model", ModelChoice), ("data", DataConfig), ("train", TrainConfig),
+    ("model", ModelChoice), ("data", DataConfig), ("train", TrainConfig), ("lora", LoraSettings),
     ("eval", EvalConfig), ("checkpoint", CheckpointConfig), ("node", HostConfig),
     ("node", NodeConfig), ("swarm", SwarmConfig), ("net", NetConfig),
     ("gossip", GossipConfig), ("log", LogConfig),
@@ -175,6 +196,7 @@ class Settings:
     net: NetConfig
     log: LogConfig
     init_from: str = ""  # [model] init_from: a Hugging Face RWKV-4 directory, or ""
+    lora: LoraSettings = LoraSettings()  # [lora], used when train.mode is "lora"
 
     @property
     def gossip(self) -> GossipConfig:

@@ -101,9 +101,14 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
         raise UserError(f"batch {batch} is not a multiple of train.accum {accum}")
     learner = Learner(model, identity.node_id, train, corpus, batch, accum,
                       settings.eval.windows)
+    what = f"{model.name} ({model.space.n_params / 1e6:.2f}M parameters)"
+    if model.mode == "lora":
+        what = (f"LoRA r{model.lora.rank} adapters ({model.space.n_params / 1e6:.2f}M "
+                f"parameters) on the frozen {model.base.dtype_name()} {model.name} base "
+                f"{model.base_id} ({model.full_space.n_params / 1e6:.1f}M)")
     reporter.info(
         f"node {identity.node_id[:12]} (incarnation {identity.incarnation}) training "
-        f"{model.name} ({model.space.n_params / 1e6:.2f}M parameters) on {corpus.name} "
+        f"{what} on {corpus.name} "
         f"({corpus.train.size:,} training / {corpus.heldout.size:,} held-out "
         f"{'bytes' if corpus.tokenizer_json is None else 'tokens'})"
         + (", alone" if alone else ""), event="start", node_id=identity.node_id,
@@ -138,6 +143,8 @@ def model_for(settings: Settings, corpus: Corpus) -> tuple[Model, Path | None]:
     """The model to train on `corpus`: the configured shape (a preset included) or that of
     the Hugging Face directory `model.init_from`, with the data's vocabulary; and that
     directory. The data must have been prepared with that directory's tokenizer."""
+    if settings.train.mode == "lora":
+        return lora_model_for(settings, corpus), None
     if not settings.init_from:
         return build_model(settings.model_name, replace(settings.model,
                                                         vocab_size=corpus.vocab_size)), None
@@ -164,6 +171,33 @@ def model_for(settings: Settings, corpus: Corpus) -> tuple[Model, Path | None]:
     return build_model("rwkv", config), hf_dir
 
 
+def lora_model_for(settings: Settings, corpus: Corpus) -> Model:
+    """LoRA mode: adapters on the base `lora.base` (or `model.init_from`) names, which must
+    have the data's vocabulary and tokenizer."""
+    from p2ptrain.lora.basefile import BaseError
+    from p2ptrain.lora.setup import lora_model, resolve_base
+
+    if settings.model_name != "rwkv":
+        raise UserError(f"train.mode lora adapts an rwkv base; model.name is "
+                        f"{settings.model_name}")
+    source = settings.lora.base or settings.init_from
+    try:
+        base = resolve_base(source, settings.host.state_dir, settings.lora.base_dtype)
+    except BaseError as exc:
+        raise UserError(f"lora base: {exc}") from None
+    shape = base.shape
+    if shape["vocab_size"] != corpus.vocab_size or base.tokenizer_id != corpus.tokenizer_id:
+        raise UserError(f"lora base {base.id} has a vocabulary of {shape['vocab_size']:,} "
+                        f"tokens (tokenizer {base.tokenizer_id}), the data {corpus.name} "
+                        f"{corpus.vocab_size:,} (tokenizer {corpus.tokenizer_id}); prepare the "
+                        f"data with the base's tokenizer")
+    try:
+        return lora_model(base, settings.lora.adapters(), settings.model.ctx_len,
+                          settings.model.wkv_chunk)
+    except (BaseError, ValueError) as exc:
+        raise UserError(f"lora: {exc}") from None
+
+
 def initialize_from_hf(learner: Learner, hf_dir: Path) -> None:
     """Load an HF RWKV-4 directory's weights into the learner (fp32, fp16 or bf16 tensors)."""
     try:
@@ -179,6 +213,8 @@ def member_info(learner: Learner, hw: Any, addr: str, priority: int,
     model = learner.model
     fields = {"arch": json.dumps(model.arch(), sort_keys=True),
               "layout": model.space.fingerprint(), "vocab": str(model.vocab_size),
-              "tokenizer": learner.tokenizer_id, "mode": "full"}
+              "tokenizer": learner.tokenizer_id, "mode": model.mode}
+    if model.mode == "lora":
+        fields["base"] = model.base_id
     return MemberInfo(learner.node_id, addr, hw.device_class, float(hw.matmul_gflops),
                       priority, learner.fingerprint, fields, outbound_only)

@@ -52,7 +52,8 @@ def _add_option_flags(parser: argparse.ArgumentParser, keys: list[str]) -> None:
 SWARM_KEYS = ["swarm.token", "swarm.token_file"]
 NET_KEYS = ["net.port", "net.bind", "net.advertise", "net.peers", "net.outbound_only",
             "net.max_upload_mbps", "node.priority", "node.alone"]
-JOIN_KEYS = ["model.name", "model.preset", "model.init_from", "data.path", "node.state_dir",
+JOIN_KEYS = ["model.name", "model.preset", "model.init_from", "train.mode", "lora.base",
+             "lora.rank", "data.path", "node.state_dir",
              "train.batch", "train.lr", "train.seed", "train.steps", "train.duration",
              "log.format"]
 

@@ -291,9 +291,18 @@ def make_base(source: str | os.PathLike, out_root: str | os.PathLike,
     src = Path(source).expanduser()
     if is_base_dir(src):
         return read_base(src)
+    if (src / "checkpoints").is_dir():  # a state directory: its newest valid checkpoint
+        from p2ptrain import checkpoint
+
+        for candidate in checkpoint.list_checkpoints(src / "checkpoints"):
+            try:
+                checkpoint.read_manifest(candidate)
+            except checkpoint.CheckpointError:
+                continue
+            return base_from_checkpoint(candidate, Path(out_root), dtype)
     if (src / "manifest.json").is_file() and (src / MODEL_FILE).is_file():
         return base_from_checkpoint(src, Path(out_root), dtype)
     if (src / "config.json").is_file():
         return base_from_hf(src, Path(out_root), dtype)
-    raise BaseError(f"{src} is neither a base directory, a p2ptrain checkpoint nor a Hugging "
-                    f"Face RWKV-4 directory")
+    raise BaseError(f"{src} is neither a base directory, a p2ptrain checkpoint (or a state "
+                    f"directory holding one) nor a Hugging Face RWKV-4 directory")

@@ -1,0 +1,94 @@
+"""Finding a node's base and building its LoRA model: from the `[lora] base` setting when a
+node starts, and from a checkpoint's architecture (which names its base by id) when a
+command reads adapters.
+
+Bases live in `<state dir>/bases/<id>/`. A base given as a checkpoint or a Hugging Face
+directory is written there once (16-bit); one given by id is looked up there (the join
+fetches a missing one from the swarm first). Every base is checked chunk by chunk against its
+manifest before it is used: a damaged disk is named, never trained on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from p2ptrain.lora.basefile import Base, BaseError, is_base_dir, make_base, read_base, verify_base
+from p2ptrain.models.lora import LoRAConfig, LoRARWKV
+from p2ptrain.models.rwkv import RWKV, RWKVConfig
+
+BASE_ID_RE = re.compile(r"[0-9a-f]{16}")
+
+
+class BaseMissing(BaseError):
+    """The base is named by id and is not on this machine (yet)."""
+
+    def __init__(self, base_id: str, where: Path):
+        super().__init__(f"base {base_id} is not in {where}")
+        self.base_id = base_id
+
+
+def bases_root(state_dir: str | os.PathLike) -> Path:
+    return Path(state_dir).expanduser() / "bases"
+
+
+def is_base_id(source: str) -> bool:
+    return bool(BASE_ID_RE.fullmatch(source)) and not Path(source).exists()
+
+
+def find_base(base_id: str, roots: list[Path]) -> Base:
+    """The base `base_id` in the first of `roots` that holds it (BaseMissing: none does)."""
+    for root in roots:
+        if is_base_dir(root / base_id):
+            base = read_base(root / base_id)
+            if base.id != base_id:
+                raise BaseError(f"{root / base_id} holds base {base.id}, not {base_id}")
+            return base
+    raise BaseMissing(base_id, roots[0] if roots else Path("."))
+
+
+def resolve_base(source: str, state_dir: str | os.PathLike, dtype: str = "bf16",
+                 progress=None) -> Base:
+    """The checked base `source` names (a base id, base directory, p2ptrain checkpoint or
+    Hugging Face RWKV-4 directory); made into a base under the state directory if need be."""
+    if not source:
+        raise BaseError("train.mode is lora but no base is given: set lora.base (--base) or "
+                        "model.init_from")
+    root = bases_root(state_dir)
+    if is_base_id(source):
+        base = find_base(source, [root])
+    else:
+        if not Path(source).expanduser().exists():
+            raise BaseError(f"base {source} does not exist (and is not a 16-hex base id)")
+        base = make_base(source, root, dtype)
+    verify_base(base, progress)
+    return base
+
+
+def lora_model(base: Base, lora: LoRAConfig, ctx_len: int, wkv_chunk: int) -> LoRARWKV:
+    config = base.config(ctx_len, wkv_chunk)
+    return LoRARWKV(config, lora, base.frozen(RWKV(config)), base.id)
+
+
+def model_of_arch(arch: dict, roots: list[Path]):
+    """The model a checkpoint's `arch` describes; a LoRA one on its base, found by id in
+    `roots` (BaseMissing names the id)."""
+    from p2ptrain.models import model_from_arch
+
+    if not isinstance(arch, dict) or "lora" not in arch:
+        return model_from_arch(arch)
+    spec, shape = arch.get("lora"), {k: v for k, v in arch.items() if k not in ("model", "lora")}
+    try:
+        config = RWKVConfig(**shape)
+        lora = LoRAConfig(int(spec["rank"]), float(spec["alpha"]), str(spec["targets"]))
+        base_id = str(spec["base"])
+    except (TypeError, KeyError, ValueError) as exc:
+        raise ValueError(f"checkpoint's LoRA architecture is not readable: {exc}") from None
+    if arch.get("model") != "rwkv" or not BASE_ID_RE.fullmatch(base_id):
+        raise ValueError(f"checkpoint's LoRA architecture is not readable: {spec!r}")
+    base = find_base(base_id, roots)
+    if base.config(config.ctx_len, config.wkv_chunk) != config:
+        raise BaseError(f"base {base_id} has another shape than the checkpoint's model")
+    verify_base(base)
+    return lora_model(base, lora, config.ctx_len, config.wkv_chunk)
