@@ -32,6 +32,10 @@ def dispatch(args: argparse.Namespace) -> int:
         return swarmcmds.cmd_init(args, flags_of(args))
     if args.command == "status":
         return swarmcmds.cmd_status(args)
+    if args.command == "checkpoint" and args.checkpoint_command == "merge":
+        from p2ptrain.cli.loracmds import cmd_merge
+
+        return cmd_merge(args)
     if args.command == "checkpoint":
         return swarmcmds.cmd_fetch(args, flags_of(args))
     if args.command == "sample":
@@ -104,7 +108,7 @@ def model_summary(cfg) -> str:
 
 
 def cmd_sample(args) -> int:
-    from p2ptrain.models import model_from_arch
+    from p2ptrain.cli.loracmds import model_of_checkpoint
     from p2ptrain.sample import Printable, TokenText, generate
 
     if args.length < 0:
@@ -112,12 +116,11 @@ def cmd_sample(args) -> int:
     if args.temperature < 0:
         raise UserError("--temperature must be >= 0")
     path, manifest = resolve_checkpoint(Path(args.checkpoint).expanduser())
-    try:
-        model = model_from_arch(manifest.arch)
-    except ValueError as exc:
-        raise UserError(f"{path.name}: {exc}") from None
+    model = model_of_checkpoint(path, manifest, args.base)
     params = model.space.zeros()
     meta = checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(params))
+    if getattr(model, "mode", "full") == "lora":  # the tokenizer travels with the base
+        meta = {**model.base.metadata, **meta}
     out = sys.stdout.buffer
     rng = np.random.default_rng(args.seed)
     if checkpoint.TOKENIZER_META_KEY in meta:  # a tokenized model: its tokenizer decodes

@@ -51,6 +51,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         model = model_from_arch(manifest.arch)
     except ValueError as exc:
+        if isinstance(manifest.arch, dict) and "lora" in manifest.arch:
+            raise UserError(f"{path.name} holds LoRA adapters: merge them into their base "
+                            f"first (p2ptrain checkpoint merge --adapters {args.checkpoint} "
+                            f"--out MERGED), then export MERGED") from None
         raise UserError(f"{path.name}: {exc}") from None
     if not isinstance(model, RWKV):
         raise UserError(f"{path.name} holds the {model.name!r} model; only the built-in rwkv "
