@@ -351,6 +351,8 @@ class GossipTrainer:
                                                                  learner.count.total))
         self.exchange = Exchange(peer, seed, now, now + self.average_timeout,
                                  sum(len(c) for c in chunks), part, parts, addr)
+        self.stats["average_parts_sent"] += 1
+        self.stats["average_bytes_sent"] += self.exchange.sent
         out.append(Out(peer, addr, AverageRequest(seed, learner.step, learner.count.as_dict(),
                                                   chunks, part, parts)))
 
