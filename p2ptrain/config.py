@@ -258,7 +258,8 @@ NON_OPTION_ENV = {"P2PTRAIN_CONFIG", "P2PTRAIN_FAULT"}
 SWARM_KEY_PREFIXES = ("model.", "train.lr", "train.min_lr_ratio", "train.warmup_samples",
                       "train.total_samples", "train.weight_decay", "train.beta1", "train.beta2",
                       "train.grad_clip", "train.seed", "checkpoint.", "gossip.", "net.timing",
-                      "swarm.name")
+                      "swarm.name", "train.mode", "lora.rank", "lora.alpha", "lora.targets",
+                      "lora.base")
 
 
 def swarm_options(cfg: Config) -> dict[str, Any]:

@@ -44,7 +44,8 @@ def runs(tmp_path_factory):
     text_a.write_bytes((Path(data.__file__).parent / "tinyshakespeare.txt").read_bytes()
                        [:200_000])
     rng = random.Random(4)
-    words = "red green blue cyan black white seven eight nine zebra quartz".split()
+    words = ["red", "green", "blue", "cyan", "black", "white", "seven", "eight", "nine",
+             "zebra", "quartz"]
     (tmp / "b.txt").write_text(" ".join(rng.choice(words) for _ in range(30_000)))
     common = ("--config", str(tmp / "run.toml"), "--log-format", "json", "--seed", "3")
     r = run_cli("join", *common, "--data", str(text_a), "--state-dir", str(tmp / "full"),

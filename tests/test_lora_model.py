@@ -36,7 +36,10 @@ def full_model(n_layer=2, n_embd=8, ctx_len=7, ffn_mult=2, wkv_chunk=4, seed=0):
     return model, flat
 
 
-def lora_on(tmp_path, dtype="fp32", lora=LoRAConfig(rank=3, alpha=6.0), seed=0, **shape):
+SMALL = LoRAConfig(rank=3, alpha=6.0)
+
+
+def lora_on(tmp_path, dtype="fp32", lora=SMALL, seed=0, **shape):
     full, flat = full_model(seed=seed, **shape)
     base = write_base(full, full.space.views(flat), tmp_path / "bases", dtype)
     model = LoRARWKV(full.config, lora, base.frozen(full), base.id)

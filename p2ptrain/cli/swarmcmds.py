@@ -201,7 +201,12 @@ def cmd_join(args, flags: dict) -> int:
     if swarm.is_demo:
         reporter.warn("joining the public DEMO swarm: anyone on this LAN may join it; "
                       "for a real fleet run `p2ptrain init` and join with its token")
-    return asyncio.run(Runtime(settings_of(cfg), swarm_options(cfg), reporter, swarm).run())
+    settings = settings_of(cfg)
+    from p2ptrain.cli.basejoin import fetch_missing_base  # LoRA: a base named by id, once
+
+    fetch_missing_base(settings, swarm, settings.net.seeds(), cfg["node.join_timeout"],
+                       cfg["net.mdns"], reporter)
+    return asyncio.run(Runtime(settings, swarm_options(cfg), reporter, swarm).run())
 
 
 def _swarm_toml(cfg: Config, name: str) -> str:

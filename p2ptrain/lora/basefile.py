@@ -181,7 +181,8 @@ def narrowed(src: np.ndarray, dtype: str) -> Deferred:
                 try:
                     return np.ascontiguousarray(src, np.float16)
                 except FloatingPointError:
-                    raise BaseError("a weight exceeds fp16's range; write the base as bf16")
+                    raise BaseError("a weight exceeds fp16's range; write the base as "
+                                    "bf16") from None
         bits = np.ascontiguousarray(src, np.float32).view(np.uint32)
         rounded = bits + (0x7FFF + ((bits >> 16) & 1)).astype(np.uint32)
         return (rounded >> 16).astype(np.uint16)

@@ -46,7 +46,7 @@ from p2ptrain.net.progress import (
 from p2ptrain.net.reachability import Reachability
 from p2ptrain.net.rotation import keyring_of
 from p2ptrain.net.saving import Saver, read_term, record_term
-from p2ptrain.net.server import Limits, Served, build_app, listen
+from p2ptrain.net.server import Limits, Served, bases_of, build_app, listen
 from p2ptrain.net.shelf import Shelf, shelved
 from p2ptrain.net.steps import Stepper
 from p2ptrain.net.watch import Watch
@@ -316,7 +316,7 @@ class Runtime:
         self.watch = Watch(reporter, self.now)  # the dashboard's history, from here on
         self._setup(reporter)
         app = build_app(Served(self, self.auth, self.bucket, net.open_routes, Limits.of(net),
-                               self.watch.document), self.shelf)
+                               self.watch.document), self.shelf, bases_of(self.learner.model))
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                                shutdown_timeout=min(5.0, self.settings.host.grace_seconds / 4))
         await runner.setup()

@@ -42,13 +42,14 @@ import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from itertools import count as counter
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from p2ptrain.errors import UserError
-from p2ptrain.net import ckptserve, dashboard, metrics
+from p2ptrain.net import baseserve, ckptserve, dashboard, metrics
 from p2ptrain.net.auth import AuthError, Pending, ServerAuth, VersionError
 from p2ptrain.net.gate import GATE, ConnLimits, GatedSite, quiet_logs, track_requests
 from p2ptrain.net.hello import add_hello_route
@@ -345,7 +346,16 @@ async def _index(request: web.Request) -> web.Response:
     return web.Response(text=dashboard.PAGE, content_type="text/html", charset="utf-8")
 
 
-def build_app(served: Served, shelf: Shelf) -> web.Application:
+def bases_of(model: Any) -> dict[str, Path]:
+    """The base a LoRA model trains on (checked chunk by chunk when the node started), by id:
+    what the node serves to joiners without it."""
+    if getattr(model, "mode", "full") != "lora":
+        return {}
+    return {model.base_id: Path(model.base.path).parent}
+
+
+def build_app(served: Served, shelf: Shelf, bases: dict[str, Path] | None = None
+              ) -> web.Application:
     """The application of one node (its driver owns the lifecycle)."""
     app = web.Application(client_max_size=MAX_REPLY, middlewares=[track_requests])
     app[SERVED] = served
@@ -365,6 +375,10 @@ def build_app(served: Served, shelf: Shelf) -> web.Application:
     add_hello_route(app, served.auth, on_refused=lambda: host.count("refused_auth"))
     ckptserve.add_checkpoint_routes(app, ckptserve.Serving(
         shelf, served.auth, served.bucket, on_refused=lambda: host.count("refused_auth"),
+        on_served=lambda n: host.count("served_bytes", n)))
+    baseserve.add_base_routes(app, baseserve.BaseServing(
+        served.auth, lambda: bases or {}, served.bucket,
+        on_refused=lambda: host.count("refused_auth"),
         on_served=lambda n: host.count("served_bytes", n)))
     return app
 
