@@ -29,7 +29,7 @@ def missing_base(settings) -> str | None:
 def fetch_missing_base(settings, swarm, peers: list[str], timeout: float, mdns: bool,
                        reporter) -> None:
     """Fetch the missing base into <state dir>/bases from every member that serves it."""
-    from p2ptrain.cli.swarmcmds import _candidates, _get_json, throwaway_signer
+    from p2ptrain.cli.peers import candidates, get_json, throwaway_signer
     from p2ptrain.lora.setup import bases_root
     from p2ptrain.net.basefetch import fetch_base
     from p2ptrain.net.fetch import FetchError
@@ -47,10 +47,10 @@ def fetch_missing_base(settings, swarm, peers: list[str], timeout: float, mdns: 
 
     async def run():
         async with aiohttp.ClientSession() as session:
-            async for addr in _candidates(swarm, peers, timeout, rounds=True, mdns=mdns):
+            async for addr in candidates(swarm, peers, timeout, rounds=True, mdns=mdns):
                 sources = [addr]
                 try:
-                    doc = await _get_json(session, f"http://{addr}/v1/status")
+                    doc = await get_json(session, f"http://{addr}/v1/status")
                     sources += [m["addr"] for m in doc.get("members", [])
                                 if isinstance(m, dict) and isinstance(m.get("addr"), str)
                                 and m.get("state") == "alive" and not m.get("outbound_only")]

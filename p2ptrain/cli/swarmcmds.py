@@ -14,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from p2ptrain.cli.peers import candidates as _candidates
+from p2ptrain.cli.peers import get_json as _get_json
+from p2ptrain.cli.peers import throwaway_signer
 from p2ptrain.config import (
     OPTIONS,
     SWARM_KEY_PREFIXES,
@@ -83,48 +84,6 @@ def _current_swarm(cfg: Config, config_file: str | None) -> Swarm:
         key_path = key_path_of(cfg, "swarm.key_file", config_file)
         return read_key_file(key_path, cfg["swarm.name"] or "swarm")
     return demo_swarm()
-
-
-def throwaway_signer(swarm: Swarm):
-    from p2ptrain.net.auth import Signer, derive_mac_key
-
-    return Signer(derive_mac_key(swarm.key), secrets.token_hex(16), 0)
-
-
-async def _candidates(swarm: Swarm, peers: list[str], timeout: float, rounds: bool = False,
-                      mdns: bool = True):
-    """Addresses to ask, as they become known: the given peers (again every second until the
-    timeout when `rounds`, as they may still be starting), else what mDNS finds."""
-    from p2ptrain.net.discovery import Discovery, resolve_seeds
-
-    deadline = time.monotonic() + timeout
-    if peers:
-        said: set[str] = set()
-        while True:
-            resolved, failed = await resolve_seeds(peers, 7100)
-            for problem in set(failed) - said:
-                said.add(problem)
-                print(f"p2ptrain: warning: peer {problem}", file=sys.stderr)
-            for addr in resolved:
-                yield addr
-            if not rounds or time.monotonic() >= deadline:
-                return
-            await asyncio.sleep(1.0)
-    if not mdns:
-        return
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    discovery = Discovery(swarm_id=swarm.swarm_id, node_id=secrets.token_hex(16), port=1,
-                          addresses=None, device_class="tool", advertise=False,
-                          on_found=lambda addr, _node: queue.put_nowait(addr))
-    try:
-        await discovery.start()
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                yield await asyncio.wait_for(queue.get(), left)
-            except TimeoutError:
-                return
-    finally:
-        await discovery.close()
 
 
 async def fetch_swarm_config(swarm: Swarm, peers: list[str], timeout: float, mdns: bool = True
@@ -242,16 +201,6 @@ def cmd_init(args, flags: dict) -> int:
     print(f"  p2ptrain join --token {swarm.token()}")
     print(f"  p2ptrain join --config {config_path}")
     return 0
-
-
-async def _get_json(session: aiohttp.ClientSession, url: str) -> dict:
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-        if resp.status != 200:
-            raise UserError(f"{url}: HTTP {resp.status}")
-        doc = await resp.json(content_type=None)
-        if not isinstance(doc, dict):
-            raise UserError(f"{url}: not a status document")
-        return doc
 
 
 def cmd_status(args) -> int:
