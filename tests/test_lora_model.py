@@ -115,6 +115,26 @@ def test_merged_weights_give_the_same_logits(tmp_path, dtype, tol):
                                full.logits(merged64, tokens), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype, tol", [("bf16", 0.05), ("fp16", 0.01)])
+def test_merged_weights_stored_in_16_bits_stay_within_the_stated_tolerance(tmp_path, dtype,
+                                                                           tol):
+    """Merged weights narrowed back to 16 bits (e.g. the base of the next round) round
+    W + s A B once more (2^-9 relative for bf16, 2^-12 for fp16): logits move by at most
+    `tol` times their largest magnitude -- the tolerance stated for 16-bit merged weights."""
+    model, full, _, _ = lora_on(tmp_path, dtype)
+    adapters = random_adapters(model, dtype=np.float32)
+    merged = model.merge(adapters, full.space.zeros())
+    again = write_base(full, full.space.views(merged), tmp_path / "next", dtype)
+    narrowed = again.frozen(full)
+    weights = full.space.zeros()
+    for slot in full.space:
+        np.copyto(full.space.view(weights, slot.name), narrowed.widened(slot.name))
+    tokens = tokens_for(2, 7)[:, :-1]
+    exact = model.logits(adapters, tokens)
+    err = np.abs(full.logits(weights, tokens) - exact).max() / np.abs(exact).max()
+    assert 0 < err <= tol, err
+
+
 def test_fresh_adapters_compute_the_base(tmp_path):
     model, full, flat, _ = lora_on(tmp_path, "fp32")
     adapters = model.space.zeros()

@@ -92,3 +92,18 @@ def test_lora_swarm_averages_adapters_only(tmp_path):
     print(f"averaging request: LoRA {lora_bytes:.0f} B, full {full_bytes:.0f} B, measured "
           f"ratio {measured:.4f}, parameters {ratio:.4f}, blocks 20r/13C {block_ratio:.4f}")
     assert measured == pytest.approx(ratio, rel=0.15)
+
+
+def test_a_node_on_another_base_is_refused_naming_the_base(tmp_path):
+    ours = base_from_init(SHAPE, 7, tmp_path / "bases", "bf16")
+    other = base_from_init(SHAPE, 8, tmp_path / "bases", "bf16")  # same shape, other weights
+    with SwarmLab(tmp_path / "lab", TOML) as lab:
+        ports = free_ports(2)
+        a = lab.start("a", ports[0], [], "--mode", "lora", "--base", str(ours.path))
+        b = lab.start("b", ports[1], [a.addr], "--mode", "lora", "--base", str(other.path))
+        refused = wait_for("a refusal", lambda: [
+            e for p in (a, b) for e in p.events() if e.get("event") == "refused"], 60)
+        assert all(e["keys"] == ["arch", "base"] for e in refused), refused
+        assert "base" in refused[0]["message"]
+        assert a.status()["members"] == [] and b.status()["members"] == []
+        lab.stop_all()
