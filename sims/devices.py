@@ -29,7 +29,9 @@ from pathlib import Path
 from p2ptrain import hw
 
 GIB = 2**30
-BYTES_PER_PARAM_TRAINING = 24  # weights, gradient, Adam m and v, error-feedback residual, pending
+# weights, gradient, Adam m and v, error-feedback residual, pending: a bound -- full training
+# measured ~16.5 B/param at peak, and DESIGN.md's target is 18
+BYTES_PER_PARAM_TRAINING = 24
 MBIT = 1e6 / 8  # bytes/s in one Mbit/s
 
 
@@ -89,8 +91,13 @@ class Device:
         return base * math.exp(rng.gauss(0.0, self.jitter) - self.jitter**2 / 2)
 
     def fits(self, params: int) -> bool:
-        """Whether training a model of `params` parameters fits in 80% of memory."""
-        return params * BYTES_PER_PARAM_TRAINING <= 0.8 * self.memory_gib * GIB
+        """Whether fully training a model of `params` parameters fits in 80% of memory."""
+        return self.holds(params * BYTES_PER_PARAM_TRAINING)
+
+    def holds(self, nbytes: int) -> bool:
+        """Whether `nbytes` of training state (ModelSize.resident_bytes) fit in 80% of
+        memory."""
+        return nbytes <= 0.8 * self.memory_gib * GIB
 
     def nic_bytes_per_second(self, medium: str) -> float:
         if medium == "wifi":

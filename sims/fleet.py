@@ -26,7 +26,7 @@ from p2ptrain.models import fingerprint
 from p2ptrain.proto import PRESETS, MemberInfo, ProtoConfig, fingerprint_of
 from p2ptrain.settings import TrainConfig
 from sims.charge import ByteCharge, ModelSize, build_model_from
-from sims.devices import Device
+from sims.devices import GIB, Device
 from sims.engine import Engine, stream_seed
 from sims.network import Network
 from sims.scenario import Scenario
@@ -138,9 +138,10 @@ class World:
         self.members: list[Member] = []
         for group in groups if groups is not None else scenario.nodes:
             device = scenario.devices[group.device]
-            if not device.fits(self.charged.params):
-                raise ValueError(f"a {self.charged.name} model does not fit in a "
-                                 f"{device.name}'s {device.memory_gib:g} GiB")
+            need = self.charged.resident_bytes
+            if not device.holds(need):
+                raise ValueError(f"a {self.charged.name} model ({need / GIB:.3g} GiB to train) "
+                                 f"does not fit in a {device.name}'s {device.memory_gib:g} GiB")
             batch, accum = device.batch(self.charged.flops_per_sample,
                                         self.charged.activation_bytes, target)
             for _ in range(group.count):

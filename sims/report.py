@@ -4,11 +4,12 @@ Training scenarios get one row per method: simulated time to the target held-out
 loss (mean over live replicas, worst in brackets), samples per simulated second, bytes sent
 per machine (median / max) and per step, the busiest link and its utilisation, and the
 consensus distance (RMS distance of the replicas to their mean). Traffic-only sweeps get one
-row per (parameters, machines, method). Join storms get, per fetch strategy, the time until
-each device class, each site and the whole fleet hold their checkpoint, beside the lower
-bounds derived from the link parameters, and the bytes by route. Plots need matplotlib (the
-`plot` extra); without it they are skipped with a note. This file reads results and writes
-files, nothing else.
+row per (parameters, machines, method); a point charged for a named model says which, and a
+LoRA point gives its adapters (what travels) and its frozen base. Join storms get, per fetch
+strategy, the time until each device class, each site and the whole fleet hold their
+checkpoint, beside the lower bounds derived from the link parameters, and the bytes by
+route. Plots need matplotlib (the `plot` extra); without it they are skipped with a note.
+This file reads results and writes files, nothing else.
 """
 
 from __future__ import annotations
@@ -58,6 +59,26 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _params(x: float) -> str:
+    """A parameter count with a unit: 1.03G, 12.8M."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.0f}"
+
+
+def sized(r: dict[str, Any]) -> str:
+    """The params cell of a traffic row: the count, and for a named model its name and, in
+    LoRA mode, adapters vs base."""
+    charge = r.get("charge")
+    if charge is None:
+        return f"{r['model_params']:.3g}"
+    if charge["mode"] == "lora":
+        return (f"{_params(charge['params'])} adapters (LoRA; base "
+                f"{_params(charge['base_params'])} at 16 bits, not sent): {charge['name']}")
+    return f"{_params(charge['params'])} (full): {charge['name']}"
+
+
 def traffic_table(results: dict[str, Any]) -> str:
     lines = [f"Scenario `{results['scenario']}` (traffic only), seed {results['seed']}, "
              f"{results['duration']:g} simulated s per point.", "",
@@ -68,7 +89,7 @@ def traffic_table(results: dict[str, Any]) -> str:
         delivered = r.get("pushes_delivered_fraction")
         coord = r.get("coordinator_link_utilisation")
         lines.append(
-            f"| {r['model_params']:.3g} | {r['nodes']} | {r['name']} | "
+            f"| {sized(r)} | {r['nodes']} | {r['name']} | "
             f"{_num(r.get('step_seconds'))} | {_num(r.get('throughput'), '{:.3g}')} | "
             f"{_bytes(r.get('bytes_per_node_median'))} / {_bytes(r.get('bytes_per_node_max'))} | "
             f"{r.get('busiest_link')} ({_num(r.get('busiest_utilisation'), '{:.0%}')}) | "
@@ -168,11 +189,12 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
             fig, ax = plt.subplots(figsize=(9.6, 4.4))
             series: dict[tuple, list] = {}
             for r in points:
-                series.setdefault((r["name"], r["model_params"]), []).append(r)
+                series.setdefault((r["name"], sized(r)), []).append(r)
             for (method, params), rows in series.items():
                 rows = sorted(rows, key=lambda r: r["nodes"])
                 ax.plot([r["nodes"] for r in rows], [r.get(key) or 0 for r in rows],
-                        marker="o", label=f"{method}, {params:.3g} params")
+                        marker="o", label=f"{method}, {params}"
+                        + ("" if rows[0].get("charge") else " params"))
             ax.set_xscale("log")
             if log:
                 ax.set_yscale("log")

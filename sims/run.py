@@ -55,6 +55,8 @@ def fleet_summary(scenario: Scenario, seed: int) -> dict[str, Any]:
            "sites": [{"name": s.name, "uplink": s.uplink.kind, "up_mbps": s.uplink.up_mbps,
                       "down_mbps": s.uplink.down_mbps, "cgnat": s.uplink.cgnat}
                      for s in scenario.sites]}
+    if charged.lora:
+        out["charged_model"]["base_params"] = charged.base_params
     if training is not None:
         out["proxy_model"] = {"name": training.size.name, "arch": training.model.arch(),
                               "params": training.size.params}

@@ -2,10 +2,13 @@
 machines), no gradient computed -- what the links carry, how long steps take, how many
 samples per simulated second the swarm gets through.
 
-A sweep point is (machines N, parameters P, method). The scenario's first `[[nodes]]` group
-is scaled to N machines; the model's FLOPs and memory follow P (`flops_per_token = 6 P`
-unless the `[charge]` table says otherwise). Message sizes are the codecs' exact encoded
-sizes for P elements (`total_encoded_size`), plus a header.
+A sweep point is (machines N, parameters P, method), or (N, charge spec, method). The
+scenario's first `[[nodes]]` group is scaled to N machines; the model's FLOPs and memory
+follow P (the `[charge]` table with `params = P`: `flops_per_token = 6 P`, 24 B/param), or
+follow a whole charge spec of the sweep's `charges` list (charge.py: e.g. an rwkv shape, in
+full or in LoRA mode, where P is the adapters and the 16-bit base is held but never sent).
+`params` points come first, then `charges` points. Message sizes are the codecs' exact
+encoded sizes for P elements (`total_encoded_size`), plus a header.
 
 - gossip: every machine steps back to back at its device's speed and, after each step,
   pushes its encoded gradient to `fanout` peers drawn at random among those it may connect
@@ -38,26 +41,47 @@ HEADER_BYTES = 256
 GOSSIP_KNOBS = {"fanout", "codec", "codec_params", "average_every", "averaging",
                 "subset_fraction", "average_timeout"}
 COORDINATOR_KNOBS = {"codec", "codec_params", "pull", "update_seconds_per_param"}
+SWEEP_KEYS = {"nodes", "params", "charges"}
 
 
 def sweep_points(scenario: Scenario) -> list[dict[str, Any]]:
-    """Every (nodes, params, method) of the sweep, in a fixed order."""
+    """Every (nodes, params or charge, method) of the sweep, in a fixed order; a charge
+    point names its spec by its index in the sweep's `charges`."""
     sweep = scenario.sweep
+    unknown = sorted(set(sweep) - SWEEP_KEYS)
+    if unknown:
+        raise ValueError(f"[sweep]: unknown key(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(SWEEP_KEYS))}")
     nodes = [int(n) for n in sweep.get("nodes", [scenario.node_count])]
-    base = ModelSize.from_spec(scenario.charge or {})
-    params = [int(float(p)) for p in sweep.get("params", [base.params])]
-    return [{"nodes": n, "params": p, "method": k}
-            for p in params for n in nodes for k in range(len(scenario.methods))]
+    charges = list(sweep.get("charges", []))
+    for spec in charges:
+        ModelSize.from_spec(spec)  # refused here, before any point runs
+    if "params" in sweep or not charges:
+        base = ModelSize.from_spec(scenario.charge or {})
+        params = [int(float(p)) for p in sweep.get("params", [base.params])]
+    else:
+        params = []
+    methods = range(len(scenario.methods))
+    return ([{"nodes": n, "params": p, "method": k} for p in params for n in nodes
+             for k in methods]
+            + [{"nodes": n, "charge": c, "method": k} for c in range(len(charges))
+               for n in nodes for k in methods])
 
 
-def _world(scenario: Scenario, point: dict[str, Any], seed: int) -> World:
+def point_size(scenario: Scenario, point: dict[str, Any]) -> ModelSize:
+    """The model a point is charged for."""
+    if "charge" in point:
+        return ModelSize.from_spec(scenario.sweep["charges"][point["charge"]])
     spec = dict(scenario.charge or {})
     spec["params"] = point["params"]
     spec.pop("flops_per_token", None)
-    size = ModelSize.from_spec(spec)
+    return ModelSize.from_spec(spec)
+
+
+def _world(scenario: Scenario, point: dict[str, Any], seed: int) -> World:
     groups = list(scenario.nodes)
     groups[0] = dataclasses.replace(groups[0], count=point["nodes"])
-    return World(scenario, seed, None, size, groups=groups)
+    return World(scenario, seed, None, point_size(scenario, point), groups=groups)
 
 
 def run_point(scenario: Scenario, point: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -68,7 +92,9 @@ def run_point(scenario: Scenario, point: dict[str, Any], seed: int) -> dict[str,
     row = sim.recorder.result(world, world.engine.now)
     row.pop("curve")
     row.pop("links")
-    row.update({"nodes": point["nodes"], "model_params": point["params"]})
+    row.update({"nodes": point["nodes"], "model_params": world.charged.params})
+    if "charge" in point:  # params points keep the rows they always had
+        row["charge"] = world.charged.describe()
     m = world.members[0]
     row["step_seconds"] = sig(world.compute_seconds(m))
     row["batch"] = m.batch
