@@ -69,7 +69,7 @@ def test_adapters_lower_the_held_out_loss_of_the_second_text(runs):
 
 def test_the_checkpoint_holds_adapters_and_names_the_base(runs):
     tmp, _ = runs
-    (base_dir,) = list((tmp / "lora" / "bases").iterdir())
+    (base_dir,) = [p for p in (tmp / "lora" / "bases").iterdir() if p.is_dir()]
     ckpt = checkpoint.list_checkpoints(tmp / "lora" / "checkpoints")[0]
     manifest = checkpoint.read_manifest(ckpt)
     assert manifest.arch["lora"]["base"] == base_dir.name
@@ -83,7 +83,7 @@ def test_the_checkpoint_holds_adapters_and_names_the_base(runs):
 
 def test_the_base_file_never_changes(runs, tmp_path):
     tmp, _ = runs
-    (base_dir,) = list((tmp / "lora" / "bases").iterdir())
+    (base_dir,) = [p for p in (tmp / "lora" / "bases").iterdir() if p.is_dir()]
     before = hashlib.sha256((base_dir / "base.safetensors").read_bytes()).hexdigest()
     r = run_cli("join", "--config", str(tmp / "run.toml"), "--mode", "lora", "--base",
                 base_dir.name, "--lora-rank", "4", "--data", str(tmp / "b.txt"),
@@ -127,7 +127,7 @@ def test_missing_or_mismatched_bases_are_refused_by_name(runs, tmp_path):
     r = run_cli("join", "--config", str(tmp / "run.toml"), "--mode", "lora", "--base",
                 "0123456789abcdef", "--state-dir", str(tmp_path / "s"), "--steps", "1")
     assert r.returncode == 2 and "base 0123456789abcdef is not in" in r.stderr
-    (base_dir,) = list((tmp / "lora" / "bases").iterdir())
+    (base_dir,) = [p for p in (tmp / "lora" / "bases").iterdir() if p.is_dir()]
     r = run_cli("sample", "--checkpoint", str(tmp / "lora" / "checkpoints"), "--base",
                 str(tmp_path))  # a wrong --base still falls back to the state dir's bases
     assert r.returncode == 0, r.stderr

@@ -210,3 +210,42 @@ def test_non_finite_weights_make_no_base(tmp_path):
     with pytest.raises(BaseError, match="fp16's range"):
         write_base(full, full.space.views(flat), tmp_path, "fp16")
     assert not any(tmp_path.iterdir())  # nothing half-written left
+
+
+def test_a_base_from_a_hugging_face_directory_holds_its_weights(tmp_path):
+    """`--base HF_DIR` (or --init-from in LoRA mode): our layout, narrowed to bf16, with the
+    directory's tokenizer; the same weights as a base made from the full model directly."""
+    from p2ptrain.models.hf import export_hf
+
+    full, flat = full_model()
+    export_hf(full, flat, tmp_path / "hf")
+    from_hf = make_base(tmp_path / "hf", tmp_path / "bases", "bf16")
+    direct = write_base(full, full.space.views(flat), tmp_path / "direct", "bf16")
+    assert from_hf.shape == direct.shape
+    a, b = from_hf.frozen(full), direct.frozen(full)
+    for slot in full.space:
+        np.testing.assert_array_equal(a.tensors[slot.name], b.tensors[slot.name])
+    # the byte-level tokenizer.json export writes means bytes: byte corpora train on it
+    assert from_hf.tokenizer_id == "bytes" and from_hf.tokenizer_json() is None
+    assert make_base(tmp_path / "hf", tmp_path / "bases").id == from_hf.id  # kept, not redone
+
+
+def test_a_base_is_made_once_per_source_and_again_when_it_changes(tmp_path, monkeypatch):
+    from p2ptrain.lora import setup
+    from p2ptrain.models.hf import export_hf
+
+    full, flat = full_model()
+    export_hf(full, flat, tmp_path / "hf")
+    made = []
+    real = setup.make_base
+    monkeypatch.setattr(setup, "make_base", lambda *a: made.append(a) or real(*a))
+    first = setup.resolve_base(str(tmp_path / "hf"), tmp_path / "state")
+    again = setup.resolve_base(str(tmp_path / "hf"), tmp_path / "state")
+    assert first.id == again.id and len(made) == 1  # the second start reads the index
+    flat[3] += 1.0
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    export_hf(full, flat, tmp_path / "hf2")
+    (tmp_path / "hf2" / "model.safetensors").rename(tmp_path / "hf" / "model.safetensors")
+    changed = setup.resolve_base(str(tmp_path / "hf"), tmp_path / "state")
+    assert len(made) == 2 and changed.id != first.id
+    assert setup.resolve_base(first.id, tmp_path / "state").id == first.id  # by id

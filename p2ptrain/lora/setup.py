@@ -10,15 +10,19 @@ manifest before it is used: a damaged disk is named, never trained on.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from pathlib import Path
 
+from p2ptrain.fsutil import atomic_write_bytes
 from p2ptrain.lora.basefile import Base, BaseError, is_base_dir, make_base, read_base, verify_base
 from p2ptrain.models.lora import LoRAConfig, LoRARWKV
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
 
 BASE_ID_RE = re.compile(r"[0-9a-f]{16}")
+SOURCES = "sources.json"  # <state dir>/bases/: which base each source was made into
 
 
 class BaseMissing(BaseError):
@@ -62,11 +66,45 @@ def resolve_base(source: str, state_dir: str | os.PathLike, dtype: str = "bf16",
     if is_base_id(source):
         base = find_base(source, [root])
     else:
-        if not Path(source).expanduser().exists():
+        src = Path(source).expanduser()
+        if not src.exists():
             raise BaseError(f"base {source} does not exist (and is not a 16-hex base id)")
-        base = make_base(source, root, dtype)
+        base = _made_before(root, src, dtype)
+        if base is None:
+            base = make_base(src, root, dtype)
+            if not is_base_dir(src):
+                _remember(root, src, dtype, base.id)
     verify_base(base, progress)
     return base
+
+
+def _source_key(src: Path, dtype: str) -> str:
+    """What a base made from `src` depends on: its path, the dtype, and the name, size and
+    modification time of every file in it (a changed checkpoint or download makes anew)."""
+    src = src.resolve()
+    files = sorted((str(p.relative_to(src)), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in src.rglob("*") if p.is_file()) if src.is_dir() else []
+    return hashlib.sha256(json.dumps([str(src), dtype, files]).encode()).hexdigest()
+
+
+def _made_before(root: Path, src: Path, dtype: str):
+    """The base made from `src` by an earlier start (None: none, or the source changed)."""
+    try:
+        index = json.loads((root / SOURCES).read_text())
+        base_id = index[_source_key(src, dtype)]
+        return find_base(base_id, [root]) if isinstance(base_id, str) else None
+    except (OSError, ValueError, KeyError, TypeError, BaseError):
+        return None
+
+
+def _remember(root: Path, src: Path, dtype: str, base_id: str) -> None:
+    try:
+        index = json.loads((root / SOURCES).read_text())
+        index = index if isinstance(index, dict) else {}
+    except (OSError, ValueError):
+        index = {}
+    index[_source_key(src, dtype)] = base_id
+    atomic_write_bytes(root / SOURCES, json.dumps(index, indent=1).encode())
 
 
 def lora_model(base: Base, lora: LoRAConfig, ctx_len: int, wkv_chunk: int) -> LoRARWKV:
