@@ -15,6 +15,9 @@ Peak resident memory of a node training N float32 parameters:
   + held averaging           half steps held while a step runs: 4 B x max(N/8, 2^24) + a part
   with gradient pushes (gossip.fanout > 0):
   + 4 B x N + queue_bytes    the error-feedback residual; the peer gradients waiting
+In LoRA mode N is the adapters' count, plus
+  + 2 B x the base            the frozen 16-bit base's pages (mapped; shared between nodes)
+  + LORA_SCRATCH              base blocks widened to float32, adapter products
 
 Checkpoint writes add nothing (written from the live buffers), nor does resuming (weights
 staged in the gradient buffer). Measured peaks are within a few percent of this (the test
@@ -40,6 +43,7 @@ BODY_MEMORY = int(NetConfig().body_memory_mib * 2**20)  # the default net.body_m
 CORPUS_BYTES_PER_TOKEN = 1.125  # uint8 tokens + int64 window starts every 64 tokens
 CHANNELS_PER_LAYER = 64  # the family: n_layer = n_embd / 64 (RWKV-4 169M: 12 x 768)
 CHANNEL_STEP = 64  # n_embd moves in steps of this
+LORA_SCRATCH = 16 * MB  # LoRA: widened blocks of the base and adapter products (measured 13)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,8 @@ class Footprint:
     averaging: int  # averaging half steps held while a step runs (networked)
     error_feedback: int  # the residual of gradient pushes (fanout > 0)
     push_queue: int  # peer gradients waiting to be mixed (fanout > 0)
+    base: int = 0  # LoRA: the frozen 16-bit base's mapped pages (shared between processes)
+    widened: int = 0  # LoRA: blocks of the base widened to float32, adapter scratch
 
     @property
     def total(self) -> int:
@@ -92,6 +98,21 @@ def rwkv_footprint(config: RWKVConfig, batch: int = 1, accum: int = 1, **kwargs)
                      accum=accum, **kwargs)
 
 
+def lora_footprint(config: RWKVConfig, rank: int = 16, batch: int = 1, accum: int = 1,
+                   **kwargs) -> Footprint:
+    """`rwkv_footprint` in LoRA mode: the trained vector is the adapters (rank r on every
+    matrix of every block), plus the base at 2 B/param and the widening scratch
+    (docs/BENCHMARKS.md section 15: within 1% of the measured peak at 1.3B)."""
+    from p2ptrain.models.lora import LoRAConfig, lora_sizes
+
+    model = RWKV(config)
+    adapters, _ = lora_sizes(config, LoRAConfig(rank=rank))
+    micro = -(-batch // accum)
+    plan = footprint(adapters, micro * model.activation_bytes_per_sample(), accum=accum,
+                     **kwargs)
+    return replace(plan, base=2 * model.space.n_params, widened=LORA_SCRATCH)
+
+
 def rwkv_shape(n_embd: int, base: RWKVConfig | None = None) -> RWKVConfig:
     """The family's member with `n_embd` channels: n_layer = n_embd / 64 (as RWKV-4 169M and
     GPT-2 small: 12 x 768); the other fields (vocabulary, context) from `base`."""
@@ -100,15 +121,19 @@ def rwkv_shape(n_embd: int, base: RWKVConfig | None = None) -> RWKVConfig:
 
 
 def largest_trainable(memory_bytes: float, *, base: RWKVConfig | None = None, batch: int = 1,
-                      accum: int = 1, **kwargs) -> tuple[int, RWKVConfig] | None:
+                      accum: int = 1, lora_rank: int = 0, **kwargs
+                      ) -> tuple[int, RWKVConfig] | None:
     """(parameters, config) of the largest member of the rwkv family (`rwkv_shape`) whose
     training fits in `memory_bytes` at `batch` (keywords as for `footprint`: networked,
-    pushes, corpus_tokens); None if not even the smallest fits."""
+    pushes, corpus_tokens; lora_rank > 0: in LoRA mode at that rank); None if not even the
+    smallest fits."""
     best = None
     n_embd = CHANNEL_STEP
     while True:
         config = rwkv_shape(n_embd, base)
-        if rwkv_footprint(config, batch, accum, **kwargs).total > memory_bytes:
+        plan = (lora_footprint(config, lora_rank, batch, accum, **kwargs) if lora_rank
+                else rwkv_footprint(config, batch, accum, **kwargs))
+        if plan.total > memory_bytes:
             return best
         best = (RWKV(config).space.n_params, config)
         n_embd += CHANNEL_STEP
@@ -122,8 +147,9 @@ def largest_here(memory_bytes: float) -> dict:
     train in full at batch 1, alone and as a networked node, with OS_RESERVE left over."""
     budget = max(0.0, memory_bytes - OS_RESERVE)
     out: dict = {"memory_budget_bytes": int(budget)}
-    for key, networked in (("alone", False), ("networked", True)):
-        found = largest_trainable(budget, networked=networked)
+    for key, networked, rank in (("alone", False, 0), ("networked", True, 0),
+                                 ("lora", True, 16)):
+        found = largest_trainable(budget, networked=networked, lora_rank=rank)
         out[key] = None if found is None else {
             "params": found[0], "n_layer": found[1].n_layer, "n_embd": found[1].n_embd}
     return out
@@ -139,4 +165,5 @@ def describe_largest(found: dict) -> str:
     budget = found["memory_budget_bytes"] / 1e9
     return (f"largest trainable here (full training, batch 1, {budget:.1f} GB after "
             f"{OS_RESERVE / 2**30:.1f} GiB for the OS): {one(found['networked'])} as a swarm "
-            f"node, {one(found['alone'])} alone")
+            f"node, {one(found['alone'])} alone; LoRA r16 on a 16-bit base: "
+            f"{one(found.get('lora'))} as a swarm node")

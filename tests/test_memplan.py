@@ -72,5 +72,7 @@ def test_hw_reports_what_a_4_and_an_8_gb_pi_can_train():
     assert 100e6 < four["alone"]["params"] < 250e6 < eight["alone"]["params"] < 500e6
     assert four["networked"]["params"] <= four["alone"]["params"]
     assert memplan.largest_here(0.5 * 2**30) == {"memory_budget_bytes": 0, "alone": None,
-                                                 "networked": None}
+                                                 "networked": None, "lora": None}
+    # LoRA r16 on a 16-bit base: a 4 GB Pi trains about a billion (section 15)
+    assert 0.8e9 < four["lora"]["params"] < 1.6e9 < eight["lora"]["params"]
     assert "nothing fits" in memplan.describe_largest(memplan.largest_here(0))

@@ -27,6 +27,7 @@ from p2ptrain.params import ParamSpace
 ADAPTABLE = ("att.key", "att.value", "att.receptance", "att.output",
              "ffn.key", "ffn.receptance", "ffn.value")  # the linear maps of a block
 DEFAULT_TARGETS = "blocks.*.att.*,blocks.*.ffn.*"
+MAX_RANK = 4096  # a bound for ranks read from files (LoRA's point is r << C)
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,8 @@ class LoRARWKV(RWKV):
 
     def __init__(self, config: RWKVConfig, lora: LoRAConfig, base: FrozenBase, base_id: str):
         super().__init__(config)
-        if lora.rank < 1 or not math.isfinite(lora.alpha) or lora.alpha <= 0:
-            raise ValueError(f"lora rank must be >= 1 and alpha > 0: {lora}")
+        if not 1 <= lora.rank <= MAX_RANK or not math.isfinite(lora.alpha) or lora.alpha <= 0:
+            raise ValueError(f"lora rank must be in 1..{MAX_RANK} and alpha > 0: {lora}")
         self.full_space = self.space
         self.lora, self.base, self.base_id = lora, base, base_id
         self.adapted = frozenset(adapted_names(self.full_space, lora.targets))

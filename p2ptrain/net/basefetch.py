@@ -101,6 +101,10 @@ async def fetch_base(session: aiohttp.ClientSession, addrs: list[str], signer: S
     size, chunk = doc["file"]["size"], doc["file"]["chunk_size"]
     hashes = doc["file"]["xxh3_64"]
     out_root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out_root).free
+    if free < size:
+        raise FetchError(f"base {base_id} is {size / 1e9:.2f} GB, {out_root} has "
+                         f"{free / 1e9:.2f} GB free")
     tmp = out_root / f".tmp-basefetch-{base_id}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
