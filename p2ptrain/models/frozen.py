@@ -3,9 +3,9 @@
 The LoRA mode trains adapters on top of weights that never change. Those weights stay in the
 dtype they are stored in (fp16 or bf16; fp32 is accepted too) inside one safetensors file,
 mapped read-only: nodes on one machine share the pages, and nothing of the base is copied
-into process memory beyond one matrix at a time, widened to the compute dtype into a reused
-scratch buffer (`widen`). The small vectors (norms, decays, token-shift mixes) are widened
-once per compute dtype.
+into process memory beyond one block of a matrix at a time, widened to the compute dtype into
+a reused scratch buffer (`widen`). The small vectors (norms, decays, token-shift mixes) are
+widened once per compute dtype.
 
 The header is checked like any file from disk: every tensor of the model present with its
 shape, nothing else, a dtype that widens. The bytes themselves are checked by the caller
@@ -87,7 +87,8 @@ class FrozenBase:
         return widen(t, self.dtypes[name], np.empty(t.shape, dtype))
 
     def rows(self, name: str, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """out = tensor `name`[ids] (rows of the embedding table), widened."""
+        """out = tensor `name`[ids] widened: ids are rows of the embedding table, or a slice
+        of a matrix's rows (a block of d loss / d x = dy @ W.T)."""
         return widen(self.tensors[name][ids], self.dtypes[name], out)
 
     def block(self, name: str, cols: slice, out: np.ndarray) -> np.ndarray:

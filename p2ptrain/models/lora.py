@@ -1,8 +1,8 @@
 """`rwkv` in LoRA mode: low-rank adapters trained on a frozen base.
 
 Every adapted matrix W (in, out) of the base computes x @ (W + s * A @ B) with A (in, r),
-B (r, out), s = alpha / r: x @ W from the frozen 16-bit base (models/frozen.py), widened one
-matrix (or one column block of the head) at a time into a reused scratch buffer, plus
+B (r, out), s = alpha / r: x @ W from the frozen 16-bit base (models/frozen.py), widened a
+cache-sized block at a time (columns forward, rows backward) into a reused buffer, plus
 s * (x @ A) @ B from the adapters. The model's parameter space -- the flat buffer that
 gossip, averaging, codecs, checkpoints and the optimiser work on -- holds only A and B of
 each adapted matrix. Backward computes d loss / d x through the frozen matrices but never
@@ -28,6 +28,8 @@ ADAPTABLE = ("att.key", "att.value", "att.receptance", "att.output",
              "ffn.key", "ffn.receptance", "ffn.value")  # the linear maps of a block
 DEFAULT_TARGETS = "blocks.*.att.*,blocks.*.ffn.*"
 MAX_RANK = 4096  # a bound for ranks read from files (LoRA's point is r << C)
+WIDEN_BLOCK = 1 << 20  # frozen weights widened at a time: 4 MB of float32, read from cache
+ROW_BLOCK_MIN = 64  # backward widens whole rows when a block holds at least this many
 
 
 @dataclass(frozen=True)
@@ -94,11 +96,9 @@ class LoRARWKV(RWKV):
                                    lora.rank)
         self._padding = self._paddings(self.space)
         self.scale = lora.alpha / lora.rank
-        C = config.n_embd
-        biggest = max(s.size for s in self.full_space
-                      if len(s.shape) == 2 and s.name not in ("emb", "head"))
-        self._block_elems = max(biggest, C)  # widened scratch: one block matrix's worth
-        self._wide: dict[str, np.ndarray] = {}  # dtype -> widened-matrix scratch
+        biggest = max(s.size for s in self.full_space if len(s.shape) == 2 and s.name != "emb")
+        self._block_elems = min(biggest, WIDEN_BLOCK)  # frozen weights widened at a time
+        self._wide: dict[str, np.ndarray] = {}  # dtype -> widened-block scratch
         self._vectors: dict[str, dict[str, np.ndarray]] = {}  # dtype -> frozen vectors
         self._sinks: dict[str, dict[str, np.ndarray]] = {}  # dtype -> their unused grads
 
@@ -138,18 +138,29 @@ class LoRARWKV(RWKV):
     def _embed_back(self, g, ids, rows):
         pass  # the embedding is frozen
 
-    def _blocks(self, name: str, dtype):
-        """(columns, widened W[:, columns]) of the frozen matrix `name`, in blocks that fit
-        the scratch buffer (one block unless it is the head of a large vocabulary)."""
+    def _scratch_for(self, dtype, elems: int) -> np.ndarray:
         key = np.dtype(dtype).str
-        if key not in self._wide or self._wide[key].size != self._block_elems:
-            self._wide[key] = np.empty(self._block_elems, dtype)
+        if key not in self._wide or self._wide[key].size < elems:
+            self._wide[key] = np.empty(max(elems, self._block_elems), dtype)
+        return self._wide[key]
+
+    def _blocks(self, name: str, dtype, rows: bool = False):
+        """(part, widened W[part]) of the frozen matrix `name`, W (in, out), in blocks of
+        about `_block_elems` weights: `part` slices its columns (rows=False: each block gives
+        whole outputs of x @ W) or its rows (rows=True: whole outputs of dy @ W.T). A block
+        of a few MB is still in cache when the matmul reads it (a whole 2048 x 8192 matrix
+        widened at once goes to memory and back: ~1.5x the time)."""
         fan_in, fan_out = self.full_space.slot(name).shape
-        step = max(1, self._block_elems // fan_in)
-        for lo in range(0, fan_out, step):
-            cols = slice(lo, min(fan_out, lo + step))
-            w = self._wide[key][: fan_in * (cols.stop - lo)].reshape(fan_in, cols.stop - lo)
-            yield cols, self.base.block(name, cols, w)
+        inner, outer = (fan_out, fan_in) if rows else (fan_in, fan_out)
+        step = max(1, self._block_elems // inner)
+        wide = self._scratch_for(dtype, inner * min(step, outer))
+        for lo in range(0, outer, step):
+            part = slice(lo, min(outer, lo + step))
+            n = part.stop - lo
+            if rows:
+                yield part, self.base.rows(name, part, wide[: n * inner].reshape(n, inner))
+            else:
+                yield part, self.base.block(name, part, wide[: n * inner].reshape(inner, n))
 
     def _linear(self, p, name, x, out, ws, cm=False):
         for cols, w in self._blocks(name, x.dtype):
@@ -166,16 +177,24 @@ class LoRARWKV(RWKV):
         return out
 
     def _linear_back(self, p, g, name, x, dy, out, ws, cm=False):
-        first = True
-        for cols, w in self._blocks(name, dy.dtype):
-            dst = out if first else ws.empty(f"lora.t{out.shape}", out.shape)
-            if cm:
-                np.matmul(w, dy[:, cols].T, out=dst)
-            else:
-                np.matmul(dy[:, cols], w.T, out=dst)
-            if not first:
-                out += dst
-            first = False
+        fan_in, fan_out = self.full_space.slot(name).shape
+        if self._block_elems // fan_out >= min(fan_in, ROW_BLOCK_MIN):  # rows: no sums
+            for rows, w in self._blocks(name, dy.dtype, rows=True):
+                if cm:
+                    np.matmul(w, dy.T, out=out[rows])
+                else:
+                    np.matmul(dy, w.T, out=out[:, rows])
+        else:  # a wide matrix (the head of a large vocabulary): column blocks, summed
+            first = True
+            for cols, w in self._blocks(name, dy.dtype):
+                dst = out if first else ws.empty(f"lora.t{out.shape}", out.shape)
+                if cm:
+                    np.matmul(w, dy[:, cols].T, out=dst)
+                else:
+                    np.matmul(dy[:, cols], w.T, out=dst)
+                if not first:
+                    out += dst
+                first = False
         if name in self.adapted:
             a, b = p[name + ".lora_a"], p[name + ".lora_b"]
             ga, gb = g[name + ".lora_a"], g[name + ".lora_b"]
