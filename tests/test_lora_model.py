@@ -91,6 +91,8 @@ def test_head_adapter_and_blocked_widening_match_finite_differences(tmp_path):
     model._block_elems = 8 * 5  # every matrix in column blocks of 5 (and a remainder)
     flat = random_adapters(model, seed=9)
     grad = check_gradients(model, flat, tokens_for(3, 7, seed=2))
+    model._row_block_min = 2  # backward in row blocks (of 2 or 5 rows) where they fit
+    check_gradients(model, flat, tokens_for(3, 7, seed=2))
     model._block_elems = 10**6  # one block each: the same numbers
     again = model.space.zeros(np.float64)
     model.loss_and_grad(flat, tokens_for(3, 7, seed=2), again)

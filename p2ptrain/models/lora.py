@@ -98,6 +98,7 @@ class LoRARWKV(RWKV):
         self.scale = lora.alpha / lora.rank
         biggest = max(s.size for s in self.full_space if len(s.shape) == 2 and s.name != "emb")
         self._block_elems = min(biggest, WIDEN_BLOCK)  # frozen weights widened at a time
+        self._row_block_min = ROW_BLOCK_MIN
         self._wide: dict[str, np.ndarray] = {}  # dtype -> widened-block scratch
         self._vectors: dict[str, dict[str, np.ndarray]] = {}  # dtype -> frozen vectors
         self._sinks: dict[str, dict[str, np.ndarray]] = {}  # dtype -> their unused grads
@@ -178,7 +179,7 @@ class LoRARWKV(RWKV):
 
     def _linear_back(self, p, g, name, x, dy, out, ws, cm=False):
         fan_in, fan_out = self.full_space.slot(name).shape
-        if self._block_elems // fan_out >= min(fan_in, ROW_BLOCK_MIN):  # rows: no sums
+        if self._block_elems // fan_out >= min(fan_in, self._row_block_min):  # rows: no sums
             for rows, w in self._blocks(name, dy.dtype, rows=True):
                 if cm:
                     np.matmul(w, dy.T, out=out[rows])
