@@ -99,6 +99,24 @@ def test_a_server_with_rotten_bytes_is_dropped_and_named(base, tmp_path):
     assert honest.served > 0
 
 
+def test_a_broken_off_fetch_resumes_where_it_stopped(base, tmp_path):
+    half = tmp_path / "half" / base.id
+    shutil.copytree(base.path, half)
+    data = bytearray((half / BASE_FILE).read_bytes())
+    for i in range(len(data) // 2, len(data), 7919):
+        data[i] ^= 0xFF  # the second half rotten: the only source is dropped there
+    (half / BASE_FILE).write_bytes(bytes(data))
+    with pytest.raises(FetchError, match="not fetched"):
+        fetch([Server({base.id: half})], base.id, tmp_path / "bases")
+    partial = tmp_path / "bases" / f".partial-base-{base.id}"
+    assert partial.is_dir() and not (tmp_path / "bases" / base.id).exists()
+    honest = Server({base.id: base.path})
+    got = fetch([honest], base.id, tmp_path / "bases")
+    verify_base(got)
+    assert 0 < honest.served < base.size  # only what the first fetch did not get right
+    assert not partial.exists()
+
+
 def test_another_base_or_none_is_refused(base, tmp_path):
     other = base_from_init(SHAPE, 6, tmp_path / "other", "bf16")  # 256 KiB chunks
     impostor = Server({base.id: other.path})  # serves another base under our id

@@ -10,6 +10,7 @@ from pathlib import Path
 import aiohttp
 
 from p2ptrain.errors import UserError
+from p2ptrain.statelock import lock_state_dir
 
 
 def missing_base(settings) -> str | None:
@@ -40,6 +41,7 @@ def fetch_missing_base(settings, swarm, peers: list[str], timeout: float, mdns: 
     if base_id is None:
         return
     root = bases_root(settings.host.state_dir)
+    lock_state_dir(Path(settings.host.state_dir).expanduser())  # held on by the node itself
     reporter.info(f"base {base_id} is not in {root}: fetching it from the swarm",
                   event="base_fetch", base=base_id)
     signer = throwaway_signer(swarm)

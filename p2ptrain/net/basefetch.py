@@ -13,8 +13,10 @@ id known in advance.
 3. A transport error, 5xx or bad MAC puts the chunk back and rests the source; SOURCE_FAILURES
    in a row drop it. A source serving bytes that do not match is dropped at once. No source
    left, or a chunk that failed RETRIES times, ends the fetch with every source's story.
-4. The file is written into a temporary directory beside out_root/<id>, fsynced with the
-   manifest, and renamed into place: a base directory appears whole or not at all.
+4. The file is written into out_root/.partial-base-<id>/, fsynced with the manifest, and
+   renamed to out_root/<id>: a base directory appears whole or not at all. A fetch that
+   breaks off leaves the partial file; the next one hashes its chunks again and fetches only
+   the missing or wrong ones.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from p2ptrain.net.fetch import (
     _reason,
     _Retry,
 )
-from p2ptrain.net.partial import write_chunk
+from p2ptrain.net.partial import PARTIAL_PREFIX, write_chunk
 
 MAX_MANIFEST = 8 * 2**20 + 1024
 RETRIES = 8  # attempts of one chunk before the fetch gives up
@@ -105,40 +107,54 @@ async def fetch_base(session: aiohttp.ClientSession, addrs: list[str], signer: S
     if free < size:
         raise FetchError(f"base {base_id} is {size / 1e9:.2f} GB, {out_root} has "
                          f"{free / 1e9:.2f} GB free")
-    tmp = out_root / f".tmp-basefetch-{base_id}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = out_root / f"{PARTIAL_PREFIX}base-{base_id}"  # kept when a fetch breaks off
     target = tmp / BASE_FILE
-    try:
+    tmp.mkdir(exist_ok=True)
+    have = await asyncio.to_thread(_resume, target, size, chunk, hashes)
+    if not have:
         with open(target, "wb") as f:
             f.truncate(size)
-        await _chunks(sources, base_id, target, size, chunk, hashes, progress)
-        with open(target, "rb+") as f:
-            os.fsync(f.fileno())
-        atomic_write_bytes(tmp / MANIFEST, data)
-        fsync_dir(tmp)
-        final = out_root / base_id
-        if final.exists():
-            shutil.rmtree(tmp)
-        else:
-            os.rename(tmp, final)
-            fsync_dir(out_root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    await _chunks(sources, base_id, target, size, chunk, hashes, progress, have)
+    with open(target, "rb+") as f:
+        os.fsync(f.fileno())
+    atomic_write_bytes(tmp / MANIFEST, data)
+    fsync_dir(tmp)
+    final = out_root / base_id
+    if final.exists():
+        shutil.rmtree(tmp)
+    else:
+        os.rename(tmp, final)
+        fsync_dir(out_root)
     base = read_base(final)
     if base.id != base_id:  # a directory of that name was there already, and differs
         raise FetchError(f"{final} does not hold base {base_id}")
     return base
 
 
+def _resume(target: Path, size: int, chunk: int, hashes: list[str]) -> set[int]:
+    """The chunks of an earlier, broken-off fetch that are there and right (hashed again:
+    a crash may have lost what was not synced); none when there is no such file."""
+    try:
+        if target.stat().st_size != size:
+            return set()
+        have = set()
+        with open(target, "rb") as f:
+            for i, digest in enumerate(hashes):
+                if xxhash.xxh3_64_hexdigest(f.read(chunk)) == digest:
+                    have.add(i)
+        return have
+    except OSError:
+        return set()
+
+
 async def _chunks(sources: list[Source], base_id: str, target: Path, size: int, chunk: int,
-                  hashes: list[str], progress) -> None:
+                  hashes: list[str], progress, have: set[int]) -> None:
     todo: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(hashes)):
-        todo.put_nowait(i)
+        if i not in have:
+            todo.put_nowait(i)
     tries = [0] * len(hashes)
-    done = [0]
+    done = [len(have)]
     slots = asyncio.Semaphore(MAX_IN_FLIGHT)
     failed: list[str] = []
     path = f"/v1/base/{base_id}/{BASE_FILE}"
