@@ -24,8 +24,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from p2ptrain.net.auth import AuthError, RequestId, ServerAuth
-from p2ptrain.net.ckptserve import RangeError, _read_signed, parse_range
+from p2ptrain.net.auth import RequestId, ServerAuth
+from p2ptrain.net.ckptserve import RangeError, _read_signed, authenticate_get, parse_range
 from p2ptrain.net.pacing import TokenBucket
 
 BASE_FILE, MANIFEST = "base.safetensors", "base.json"
@@ -56,15 +56,7 @@ def add_base_routes(app: web.Application, serving: BaseServing) -> None:
         return signed(request, rid, status, json.dumps({"error": text}).encode(), headers)
 
     def authenticate(request: web.Request) -> RequestId | web.Response:
-        try:
-            rid = auth.verify(request.method, request.path, request.headers, b"")
-        except AuthError as exc:
-            if serving.on_refused is not None:
-                serving.on_refused()
-            return web.json_response({"error": exc.reason}, status=401)
-        if request.body_exists:
-            return error(request, rid, 400, "a GET carries no body")
-        return rid
+        return authenticate_get(auth, request, serving.on_refused)
 
     def held(request: web.Request) -> Path | None:
         base_id = request.match_info["id"]

@@ -122,6 +122,23 @@ def _read_signed(auth: ServerAuth, method: str, path: str, rid: RequestId, fd: i
 
 
 
+def authenticate_get(auth: ServerAuth, request: web.Request,
+                     on_refused: Callable[[], None] | None) -> RequestId | web.Response:
+    """The request's id when its MAC holds and it carries no body; else the answer to send:
+    401 with the reason (unsigned: nothing about the request is trusted), or a signed 400."""
+    try:
+        rid = auth.verify(request.method, request.path, request.headers, b"")
+    except AuthError as exc:
+        if on_refused is not None:
+            on_refused()
+        return web.json_response({"error": exc.reason}, status=401)
+    if request.body_exists:
+        body = json.dumps({"error": "a GET carries no body"}).encode()
+        return web.Response(status=400, body=body, content_type="application/json",
+                            headers=auth.sign(request.method, request.path, rid, 400, body))
+    return rid
+
+
 def add_checkpoint_routes(app: web.Application, serving: Serving) -> None:
     """Register the checkpoint routes (see the module docstring) on `app`."""
     auth, shelf, bucket = serving.auth, serving.shelf, serving.bucket
@@ -134,15 +151,7 @@ def add_checkpoint_routes(app: web.Application, serving: Serving) -> None:
                             headers={**headers, **(extra or {})})
 
     def authenticate(request: web.Request) -> RequestId | web.Response:
-        try:
-            rid = auth.verify(request.method, request.path, request.headers, b"")
-        except AuthError as exc:
-            if serving.on_refused is not None:
-                serving.on_refused()
-            return web.json_response({"error": exc.reason}, status=401)
-        if request.body_exists:
-            return signed_json(request, rid, 400, {"error": "a GET carries no body"})
-        return rid
+        return authenticate_get(auth, request, serving.on_refused)
 
     async def latest(request: web.Request) -> web.StreamResponse:
         rid = authenticate(request)
