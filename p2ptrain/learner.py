@@ -23,7 +23,7 @@ from p2ptrain.codecs.kernels import all_finite
 from p2ptrain.data import Corpus, Sampler, eval_windows
 from p2ptrain.data.sampler import shard_seed
 from p2ptrain.models import Model, fingerprint
-from p2ptrain.optim import AdamW, Schedule, clip_global_norm
+from p2ptrain.optim import AdamW, Progress, Schedule, clip_global_norm
 from p2ptrain.options import option
 from p2ptrain.swarmcount import SwarmCount
 
@@ -95,6 +95,7 @@ class Learner:
         self.count = SwarmCount()
         self.step = 0  # local steps taken
         self.samples = 0  # local samples trained on
+        self.progress: Progress | None = None  # set by an outer optimiser: steps summed
 
     @property
     def swarm_samples(self) -> int:
@@ -134,7 +135,7 @@ class Learner:
         if not np.isfinite(norm):
             raise FloatingPointError(f"gradient norm is {norm} at step {self.step}")
         lr = self.schedule.lr(self.count.total)
-        self.opt.step(self.params, grad, lr)
+        self.opt.step(self.params, grad, lr, self.progress)
         self.step += 1
         self.samples += self.batch
         self.count.add(self.node_id, self.batch)

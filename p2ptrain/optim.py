@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from p2ptrain.codecs.kernels import bf16_bits_to_f32, bit_stream, f32_to_bf16_stochastic
 from p2ptrain.params import ParamSpace
 
 
@@ -61,6 +62,29 @@ def clip_global_norm(grad: np.ndarray, max_norm: float) -> float:
     return norm
 
 
+class Progress:
+    """How far a replica moved since its progress was last shared, per coordinate: the
+    decrements of every optimiser step summed, in bfloat16 rounded stochastically (2 bytes a
+    parameter; unbiased, so small steps on a large sum neither vanish nor drift). The outer
+    optimiser (proto/gossip/outer.py) shares and removes parts of it."""
+
+    def __init__(self, n: int, seed: int):
+        self.bits = np.zeros(int(n), np.uint16)  # bfloat16 bit patterns, +0.0 to start
+        self.stream = bit_stream(seed)  # the rounding's random bits
+        self._wide = np.zeros(min(int(n), AdamW.BLOCK), np.float32)
+
+    def add(self, lo: int, delta: np.ndarray) -> None:
+        """progress[lo : lo + len(delta)] += delta."""
+        hi = lo + delta.shape[0]
+        wide = self._wide[: hi - lo]
+        bf16_bits_to_f32(self.bits[lo:hi], wide)
+        wide += delta
+        f32_to_bf16_stochastic(wide, self.bits[lo:hi], self.stream)
+
+    def reset(self) -> None:
+        self.bits.fill(0)
+
+
 class AdamW:
     """Decoupled-weight-decay Adam over one flat parameter buffer.
 
@@ -87,8 +111,10 @@ class AdamW:
         self._tmp = np.zeros(block, np.float32)  # the update direction of one block
         self._tmp2 = np.zeros(block, np.float32)  # its weight decay
 
-    def step(self, params: np.ndarray, grad: np.ndarray, lr: float) -> None:
-        """params -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * [matrix] * params), in place."""
+    def step(self, params: np.ndarray, grad: np.ndarray, lr: float,
+             progress: Progress | None = None) -> None:
+        """params -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * [matrix] * params), in place;
+        with `progress`, what params lost is also added to its accumulator."""
         self.t += 1
         bc1 = 1 - self.beta1**self.t
         bc2 = 1 - self.beta2**self.t
@@ -97,6 +123,11 @@ class AdamW:
                 hi = min(end, lo + self.BLOCK)
                 self._update(params[lo:hi], grad[lo:hi], self.m[lo:hi], self.v[lo:hi],
                              lr, bc1, bc2, decay)
+                if progress is not None:
+                    n = hi - lo
+                    if self.weight_decay and decay:
+                        self._tmp[:n] += self._tmp2[:n]
+                    progress.add(lo, self._tmp[:n])
 
     def _update(self, p, g, m, v, lr, bc1, bc2, decay) -> None:
         b1, b2 = self.beta1, self.beta2

@@ -157,6 +157,22 @@ def bf16_bits_to_f32(h: np.ndarray, out: np.ndarray, scale: float = 1.0) -> None
             np.multiply(out[start:stop], np.float32(scale), out=out[start:stop])
 
 
+def f32_to_bf16_stochastic(x: np.ndarray, out: np.ndarray, stream: np.random.SFC64) -> None:
+    """float32 -> bfloat16 bit patterns (uint16) rounded stochastically: up in magnitude with
+    probability equal to the dropped fraction, so the expected value is x exactly. An
+    accumulator of small increments kept in 16 bits this way neither stalls (an increment
+    below half a unit in the last place would vanish under round-to-nearest) nor drifts.
+    The input must be finite and well below float32's maximum."""
+    n = x.shape[0]
+    bits_in = x.view(np.uint32)
+    temp = scratch("bf16sr", min(n, BLOCK), np.uint32)
+    for start, stop in blocks(n):
+        s = temp[: stop - start]
+        np.copyto(s, uniform_u16(stream, stop - start), casting="unsafe")
+        s += bits_in[start:stop]
+        np.copyto(out[start:stop], s.view(np.uint16)[1::2])
+
+
 def splitmix64(z: int) -> int:
     """One step of the SplitMix64 mixer: a well-spread 64-bit value from any 64-bit value."""
     z = (z + 0x9E3779B97F4A7C15) & _MASK64

@@ -69,6 +69,15 @@ class GossipConfig:
     distance_patience: int = option(3, "refused averaging snapshots in a row (of one peer, or "
                                     "of all) after which the absolute bound alone judges",
                                     minimum=1)
+    outer_every: int = option(0, "local steps between outer steps (0: off): each node shares "
+                              "its progress since the last one, compressed by the codec with "
+                              "error feedback, with gossip.fanout peers, and moves by the "
+                              "average of what it has (DiLoCo-style pseudo-gradients; no "
+                              "per-step pushes then)", minimum=0)
+    outer_lr: float = option(0.7, "outer learning rate: the step along the averaged progress",
+                             minimum=0)
+    outer_momentum: float = option(0.9, "outer Nesterov momentum (0: none; the momentum is "
+                                   "kept in bfloat16)", minimum=0)
     queue_vectors: int = option(16, "peer gradients waiting for the next mix, at most",
                                 minimum=1)
     queue_bytes: int = option(256 << 20, "wire bytes of the peer gradients waiting, at most",
@@ -100,6 +109,11 @@ class GossipConfig:
             "averaging": self.averaging in AVERAGING_MODES,
             "subset_fraction": 0.0 < self.subset_fraction <= 1.0,
             "average_part": self.average_part >= 1,
+            "outer_every": self.outer_every >= 0,
+            "outer_lr": 0 < self.outer_lr <= 4,
+            "outer_momentum": 0 <= self.outer_momentum < 1,
+            "fanout (outer steps share progress with at least one peer)":
+                self.outer_every == 0 or self.fanout >= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

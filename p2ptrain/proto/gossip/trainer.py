@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,6 +57,7 @@ from p2ptrain.proto.gossip.messages import (
     GradientReply,
 )
 from p2ptrain.proto.gossip.mixer import GradientMixer, MixReport, gradient_encoder
+from p2ptrain.proto.gossip.outer import OuterOptimizer
 from p2ptrain.proto.gossip.peers import PeerTable
 from p2ptrain.proto.messages import Body, Out
 
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 MAX_SEED = 2**53  # exchange seeds stay exact in JSON
 HELD_SHARE = 8  # averaging half steps held while busy: at most 1/HELD_SHARE of the model...
 HELD_FLOOR = 1 << 24  # ...or this many coordinates (64 MiB), if more
+OUTER_STALENESS = 2**62  # outer steps mix every pseudo-gradient that arrived since the last
 
 
 def held_capacity(n: int) -> int:
@@ -112,8 +114,15 @@ class GossipTrainer:
         self.chunk_elems = chunk_elems
         self.n = n
         # the error-feedback residual is a buffer of the model's size: only with pushes
-        self.encoder = gradient_encoder(config, n) if config.fanout > 0 else None
-        self.mixer = GradientMixer(config, n)
+        self.outer = (OuterOptimizer(config, n, int(rng.integers(0, 2**62)))
+                      if config.outer_every > 0 else None)
+        if self.outer is not None:  # outer steps share progress; no per-step pushes
+            learner.progress = self.outer.progress
+        self.encoder = (gradient_encoder(config, n)
+                        if config.fanout > 0 and self.outer is None else None)
+        # pseudo-gradients are mixed once a round, whatever the swarm trained meanwhile
+        self.mixer = GradientMixer(config if self.outer is None else replace(
+            config, max_staleness_samples=OUTER_STALENESS), n)
         self.plan = config.averaging_plan(n)
         self.initiator = ParameterAverager(self.plan, chunk_elems)  # exchanges we open
         self.responder = ParameterAverager(self.plan, chunk_elems)  # exchanges we answer
@@ -313,6 +322,8 @@ class GossipTrainer:
         learner, cfg = self.learner, self.config
         swarm = learner.count.total
         step = learner.step + 1
+        if self.outer is not None:
+            return self._outer_step(now, loss, targets, partners, out)
         if self.encoder is not None:
             chunks = [bytes(m) for m in self.encoder.encode_vector(
                 learner.grad, sender_id=self.sender, swarm_samples=swarm,
@@ -355,6 +366,38 @@ class GossipTrainer:
         self.stats["average_bytes_sent"] += self.exchange.sent
         out.append(Out(peer, addr, AverageRequest(seed, learner.step, learner.count.as_dict(),
                                                   chunks, part, parts)))
+
+    def _outer_step(self, now: float, loss: float, targets: Sequence[tuple[str, str]],
+                    partners: Sequence[tuple[str, str]], out: list[Out]) -> MixReport:
+        """A local step; every `outer_every` steps also the outer step (outer.py): share the
+        compressed progress with `fanout` targets, give it back, move by the average."""
+        learner, outer = self.learner, self.outer
+        result = learner.apply_gradient(learner.grad, loss)
+        report = MixReport(result.grad_norm, 0.0, float(learner.batch), (), 0, 0,
+                           self.mixer.pending)
+        if outer.due(learner.step):
+            swarm, step = learner.count.total, learner.step
+            weight = min(float(learner.batch * outer.every), self.config.max_sample_weight)
+            chunks = outer.share(learner.grad, sender=self.sender, swarm=swarm, weight=weight,
+                                 seed=(self._seed_base + step) % 2**64,
+                                 chunk_elems=self.chunk_elems)
+            self.latest = (step, loss, chunks)
+            addrs, size = dict(targets), sum(len(c) for c in chunks)
+            for peer in self.peers.choose(addrs, self.config.fanout, self.rng, size):
+                out.extend(Out(peer, addrs[peer], GradientPush(step, loss, c)) for c in chunks)
+                self.stats["outer_pushes"] += 1
+                self.stats["outer_bytes_sent"] += size
+            learner.params += learner.grad  # what is shared is replaced by the average
+            report = self.mixer.mix(learner.grad, weight, swarm)
+            outer.apply(learner.params, learner.grad)
+            self.stats["outer_steps"] += 1
+        self.last_mix = report
+        if self.next_part is not None:
+            nxt, self.next_part = self.next_part, None
+            self._send_part(now, *nxt, out)
+        elif self.config.averaging_due(learner.step) and self.exchange is None and partners:
+            self._begin_average(now, partners, out)
+        return report
 
     # -- timers -------------------------------------------------------------------------------
 
