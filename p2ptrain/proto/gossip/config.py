@@ -74,10 +74,11 @@ class GossipConfig:
                               "error feedback, with gossip.fanout peers, and moves by the "
                               "average of what it has (DiLoCo-style pseudo-gradients; no "
                               "per-step pushes then)", minimum=0)
-    outer_lr: float = option(0.7, "outer learning rate: the step along the averaged progress",
+    outer_lr: float = option(1.0, "outer learning rate: the step along the averaged progress",
                              minimum=0)
-    outer_momentum: float = option(0.9, "outer Nesterov momentum (0: none; the momentum is "
-                                   "kept in bfloat16)", minimum=0)
+    outer_momentum: float = option(0.9, "decay of the error-feedback accumulator each outer "
+                                   "step; it is the outer momentum (SparseLoCo); 0: plain "
+                                   "error feedback", minimum=0)
     queue_vectors: int = option(16, "peer gradients waiting for the next mix, at most",
                                 minimum=1)
     queue_bytes: int = option(256 << 20, "wire bytes of the peer gradients waiting, at most",
@@ -111,7 +112,7 @@ class GossipConfig:
             "average_part": self.average_part >= 1,
             "outer_every": self.outer_every >= 0,
             "outer_lr": 0 < self.outer_lr <= 4,
-            "outer_momentum": 0 <= self.outer_momentum < 1,
+            "outer_momentum": 0 <= self.outer_momentum <= 1,
             "fanout (outer steps share progress with at least one peer)":
                 self.outer_every == 0 or self.fanout >= 1,
         }

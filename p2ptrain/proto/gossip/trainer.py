@@ -370,7 +370,8 @@ class GossipTrainer:
     def _outer_step(self, now: float, loss: float, targets: Sequence[tuple[str, str]],
                     partners: Sequence[tuple[str, str]], out: list[Out]) -> MixReport:
         """A local step; every `outer_every` steps also the outer step (outer.py): share the
-        compressed progress with `fanout` targets, give it back, move by the average."""
+        compressed progress with `fanout` targets, go back to the round's start, move by the
+        average."""
         learner, outer = self.learner, self.outer
         result = learner.apply_gradient(learner.grad, loss)
         report = MixReport(result.grad_norm, 0.0, float(learner.batch), (), 0, 0,
@@ -387,7 +388,7 @@ class GossipTrainer:
                 out.extend(Out(peer, addrs[peer], GradientPush(step, loss, c)) for c in chunks)
                 self.stats["outer_pushes"] += 1
                 self.stats["outer_bytes_sent"] += size
-            learner.params += learner.grad  # what is shared is replaced by the average
+            outer.rewind(learner.params)  # back to the round's start: the anchor
             report = self.mixer.mix(learner.grad, weight, swarm)
             outer.apply(learner.params, learner.grad)
             self.stats["outer_steps"] += 1
