@@ -16,8 +16,8 @@ Peak resident memory of a node training N float32 parameters:
   with gradient pushes (gossip.fanout > 0):
   + 4 B x N + queue_bytes    the error-feedback residual; the peer gradients waiting
   with outer steps (gossip.outer_every > 0) instead:
-  + 2 B x N (+ 2 B x N)      the progress accumulator (+ the outer momentum), bfloat16;
-                             the peer pseudo-gradients waiting (queue_bytes)
+  + 4 B x N + queue_bytes    the round's progress and the error feedback, bfloat16; the
+                             peer pseudo-gradients waiting
 In LoRA mode N is the adapters' count, plus
   + 2 B x the base            the frozen 16-bit base's pages (mapped; shared between nodes)
   + LORA_SCRATCH              base blocks widened to float32, adapter products
@@ -63,7 +63,7 @@ class Footprint:
     averaging: int  # averaging half steps held while a step runs (networked)
     error_feedback: int  # the residual of gradient pushes (fanout > 0)
     push_queue: int  # peer gradients waiting to be mixed (fanout > 0)
-    outer: int = 0  # outer steps: the progress accumulator and momentum, bfloat16
+    outer: int = 0  # outer steps: the round's progress and the error feedback, bfloat16
     base: int = 0  # LoRA: the frozen 16-bit base's mapped pages (shared between processes)
     widened: int = 0  # LoRA: blocks of the base widened to float32, adapter scratch
 
@@ -75,11 +75,11 @@ class Footprint:
 def footprint(n_params: int, activation_bytes: int, *, accum: int = 1,
               networked: bool = False, pushes: bool = False, corpus_tokens: int = 0,
               queue_bytes: int = GOSSIP.queue_bytes,
-              average_part: int = GOSSIP.average_part, outer: int = 0) -> Footprint:
+              average_part: int = GOSSIP.average_part, outer: bool = False) -> Footprint:
     """The peak memory of training `n_params` parameters whose micro-batch needs
     `activation_bytes` of scratch; `networked`: not --alone; `pushes`: gossip.fanout > 0;
-    `outer`: 0 (off), 1 (outer steps without momentum) or 2 (with): bfloat16 vectors kept
-    (outer steps push pseudo-gradients: no error-feedback residual of their own)."""
+    `outer`: True with outer steps (gossip.outer_every > 0): the round's progress and the
+    error feedback, bfloat16 (they replace the pushes' float32 residual)."""
     n = int(n_params)
     held = 4 * (held_capacity(n) + average_part) if networked else 0
     net = NET_OVERHEAD + BODY_MEMORY + 8 * average_part if networked else 0
@@ -92,7 +92,7 @@ def footprint(n_params: int, activation_bytes: int, *, accum: int = 1,
         averaging=held,
         error_feedback=4 * n if pushes and not outer else 0,
         push_queue=queue_bytes if pushes or outer else 0,
-        outer=2 * n * outer,
+        outer=4 * n if outer else 0,
     )
 
 
