@@ -15,7 +15,15 @@ encoded sizes for P elements (`total_encoded_size`), plus a header.
   to (fire and forget; dropped beyond two in flight to one peer, as the runtime's outbox);
   every `average_every` steps it opens a push-pull averaging exchange with one random peer
   (both directions carry the snapshot the averaging plan covers: full, fp16 or a subset),
-  given up after `average_timeout` (the runtime's 90 s). Nobody waits on the network.
+  given up as the protocol gives a part up (`PeerTable.give_up`: `average_timeout_margin` x
+  its bytes both ways over the bandwidth the machine measured to that peer, between the
+  runtime's `average_timeout` of 90 s and `average_timeout_max`; a completed exchange is a
+  bandwidth sample, one given up lowers the estimate). The model sends the exchange as one
+  transfer where the protocol sends parts of `average_part` coordinates, each with its own
+  give-up: its give-up is the formula for the whole exchange. `averages_completed_fraction`
+  counts the exchanges whose outcome is known (completed or given up); those still in flight
+  when the run ends are `averages_open_at_end`; `averages_across_sites` counts (started,
+  completed, given up) of the exchanges between two sites. Nobody waits on the network.
 - coordinator: every machine but the coordinator's host is a worker that pulls the weights,
   computes, pushes its gradient and gets the next weights in the reply; the coordinator's
   update costs CPU time as in coordinator.py. Workers wait on the network.
@@ -31,7 +39,7 @@ import math
 from typing import Any
 
 from p2ptrain.codecs import make_codec
-from p2ptrain.proto import AveragingPlan, GossipConfig, NodeConfig
+from p2ptrain.proto import AveragingPlan, GossipConfig, NodeConfig, PeerTable
 from sims.charge import ModelSize, vector_bytes
 from sims.fleet import World
 from sims.metrics import Recorder, sig
@@ -39,7 +47,8 @@ from sims.scenario import Method, Scenario
 
 HEADER_BYTES = 256
 GOSSIP_KNOBS = {"fanout", "codec", "codec_params", "average_every", "averaging",
-                "subset_fraction", "average_timeout"}
+                "subset_fraction", "average_timeout", "average_timeout_margin",
+                "average_timeout_max"}
 COORDINATOR_KNOBS = {"codec", "codec_params", "pull", "update_seconds_per_param"}
 SWEEP_KEYS = {"nodes", "params", "charges"}
 
@@ -125,10 +134,18 @@ class GossipTraffic:
         self.average_bytes = vector_bytes(plan.codec(), plan.capacity) + HEADER_BYTES
         self.average_every = int(p.get("average_every", base.average_every))
         self.average_timeout = float(p.get("average_timeout", NodeConfig().average_timeout))
+        self.margin = float(p.get("average_timeout_margin", base.average_timeout_margin))
+        self.ceiling = float(p.get("average_timeout_max", base.average_timeout_max))
+        self.links = [PeerTable() for _ in world.members]  # what each machine measured
         self.rng = self.engine.rng("traffic-peers")
         self.steps = [0] * len(world.members)
-        self.open: dict[int, int] = {}  # machine -> id of its open averaging exchange
-        self.counts = {"pushes": 0, "pushes_delivered": 0, "averages": 0, "averages_done": 0}
+        self.open: dict[int, tuple[int, int, float]] = {}  # machine -> (id, peer, start)
+        # of its open averaging exchange
+        self.counts = {"pushes": 0, "pushes_delivered": 0, "averages": 0, "averages_done": 0,
+                       "averages_given_up": 0}
+        self.across = [0, 0, 0]  # exchanges between two sites: started, done, given up
+        self.site = [m.site for m in world.members]
+        self.give_ups: list[float] = []  # the give-up time of every exchange, seconds
         self.targets = {m.index: [o.index for o in world.members
                                   if o is not m and not o.outbound_only]
                         for m in world.members}
@@ -162,8 +179,13 @@ class GossipTraffic:
     def _average(self, i: int, peer: int) -> None:
         self.counts["averages"] += 1
         ident = self.counts["averages"]
-        self.open[i] = ident
-        self.engine.after(self.average_timeout, self._give_up, i, ident)
+        self.open[i] = (ident, peer, self.engine.now)
+        self.across[0] += self.site[i] != self.site[peer]
+        give_up = self.links[i].give_up(str(peer), 2 * self.average_bytes,
+                                        floor=self.average_timeout, margin=self.margin,
+                                        ceiling=self.ceiling)
+        self.give_ups.append(give_up)
+        self.engine.after(give_up, self._give_up, i, ident)
         self.recorder.sent("average", self.average_bytes)
         self.network.send(i, peer, self.average_bytes, lambda: self._answer(peer, i, ident),
                           bulk=True)
@@ -174,21 +196,36 @@ class GossipTraffic:
                           reply=True, bulk=True)
 
     def _closed(self, i: int, ident: int) -> None:
-        if self.open.get(i) == ident:
-            del self.open[i]
+        if self.open.get(i, (None,))[0] == ident:
+            _, peer, start = self.open.pop(i)
+            now = self.engine.now
+            self.links[i].observe_transfer(str(peer), self.average_bytes, self.average_bytes,
+                                           now - start, now)
             self.counts["averages_done"] += 1
+            self.across[1] += self.site[i] != self.site[peer]
 
     def _give_up(self, i: int, ident: int) -> None:
-        if self.open.get(i) == ident:
-            del self.open[i]
+        if self.open.get(i, (None,))[0] == ident:
+            _, peer, start = self.open.pop(i)
+            self.links[i].observe_shortfall(str(peer), 2 * self.average_bytes,
+                                            self.engine.now - start)
+            self.counts["averages_given_up"] += 1
+            self.across[2] += self.site[i] != self.site[peer]
 
     def figures(self) -> dict[str, Any]:
         c = self.counts
+        decided = c["averages_done"] + c["averages_given_up"]
+        give_ups = sorted(self.give_ups)
         return {"push_bytes": self.push_bytes, "average_bytes": self.average_bytes,
                 "pushes_delivered_fraction": sig(c["pushes_delivered"] / c["pushes"])
                 if c["pushes"] else None,
-                "averages_completed_fraction": sig(c["averages_done"] / c["averages"])
-                if c["averages"] else None,
+                "averages_completed_fraction": sig(c["averages_done"] / decided)
+                if decided else None,
+                "averages_given_up": c["averages_given_up"],
+                "averages_open_at_end": len(self.open),
+                "averages_across_sites": list(self.across),
+                "average_give_up_median_max": [sig(give_ups[len(give_ups) // 2]),
+                                               sig(give_ups[-1])] if give_ups else None,
                 "throughput": sig(self.recorder.samples / self.engine.now)}
 
 

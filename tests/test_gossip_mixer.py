@@ -64,8 +64,8 @@ def reseal(raw: bytearray) -> bytes:
 def test_config_defaults_and_validation():
     cfg = GossipConfig()  # the simulator's choice: pure averaging, 10% fp16 every 5 steps
     assert cfg.fanout == 0 and cfg.codec == "topk" and cfg.codec_params["fraction"] == 0.01
-    assert (cfg.averaging, cfg.subset_fraction, cfg.max_staleness_samples) == (
-        "subset_fp16", 0.1, 32768)
+    assert (cfg.averaging, cfg.subset_fraction, cfg.max_staleness_seconds) == (
+        "subset_fp16", 0.1, 5.0)
     assert cfg.uses_error_feedback
     assert not GossipConfig(codec="fp16", codec_params={}).uses_error_feedback
     assert [s for s in range(1, 31) if cfg.averaging_due(s)] == [5, 10, 15, 20, 25, 30]

@@ -54,8 +54,10 @@ def test_a_cross_field_rule_of_a_section_is_a_config_error():
 
 
 def test_derived_constants_are_computed_not_copied():
-    node = NodeConfig(average_timeout=50.0)
-    assert 0 < node.average_request_timeout < node.average_timeout
+    node = NodeConfig(average_timeout=50.0)  # the longest give-up of a part is the maximum
+    assert node.average_request_timeout == pytest.approx(0.9 * node.gossip.average_timeout_max)
+    fixed = NodeConfig(average_timeout=50.0, gossip=GossipConfig(average_timeout_max=20.0))
+    assert 0 < fixed.average_request_timeout < fixed.average_timeout  # a maximum below: fixed
 
 
 def test_a_node_toml_section_pastes_into_a_simulator_method():

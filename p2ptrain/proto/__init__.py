@@ -53,6 +53,7 @@ from p2ptrain.proto.gossip.messages import (
     GradientReply,
 )
 from p2ptrain.proto.gossip.mixer import PlainEncoder
+from p2ptrain.proto.gossip.peers import PeerTable
 from p2ptrain.proto.messages import BODY_TYPES, PROTOCOL_VERSION, Body, Envelope, Header, register
 from p2ptrain.proto.node import Node, NodeConfig
 from p2ptrain.proto.records import (
@@ -71,7 +72,8 @@ __all__ = [
     "CheckpointFetched", "Control", "Deliver", "Discovered", "Envelope", "Evaluated", "Event",
     "FetchCheckpoint", "Finished", "GossipConfig", "GradientPush", "GradientReply", "Header",
     "Holding", "Holds", "Joined", "LeaderChanged", "LeaderView", "Leave", "LocalProtocolError",
-    "MemberDown", "MemberInfo", "MemberUp", "Node", "NodeConfig", "Offender", "PlainEncoder",
+    "MemberDown", "MemberInfo", "MemberUp", "Node", "NodeConfig", "Offender", "PeerTable",
+    "PlainEncoder",
     "Progress", "ProtoConfig", "Reading", "Received", "Refused", "RemoteError",
     "RemoteProtocolError", "RunStep", "SaveCheckpoint", "Send", "StepDone", "Tick", "Update",
     "consensus_distance", "decode", "differing_keys", "encode", "fingerprint_of", "messages",

@@ -115,9 +115,11 @@ class NodeConfig:
                                               "(else our own replica's) is refused",
                                               minimum=0)
     # Long: on a slow uplink a snapshot takes a minute, and a reply abandoned after its bytes
-    # were sent is waste.
-    average_timeout: float = option(90.0, "seconds after which an averaging exchange without "
-                                    "a reply is given up", minimum=1)
+    # were sent is waste. The floor: a part waits longer on a link measured slow (gossip.
+    # average_timeout_margin, up to gossip.average_timeout_max).
+    average_timeout: float = option(90.0, "seconds after which an averaging part without a "
+                                    "reply is given up, at least (longer on a link measured "
+                                    "slow: gossip.average_timeout_margin)", minimum=1)
     bulk_in_flight: int = option(2, "gradient pushes in flight to one peer at once; more are "
                                  "dropped (back-pressure, not a queue)", minimum=1)
     chunk_elems: int = option(DEFAULT_CHUNK, "elements per codec chunk message", minimum=1024)
@@ -137,9 +139,11 @@ class NodeConfig:
 
     @property
     def average_request_timeout(self) -> float:
-        """How long a driver lets one averaging request run: a little shorter than the
-        exchange's give-up, so a reply never lands after the exchange was abandoned."""
-        return 0.9 * self.average_timeout
+        """How long a driver lets one averaging request run: a little shorter than the longest
+        give-up of a part (it grows with the part's bytes over the measured bandwidth), so the
+        driver never cuts a request the protocol still waits for; a reply that lands after
+        its part was given up is counted late and ignored."""
+        return 0.9 * max(self.average_timeout, self.gossip.average_timeout_max)
 
 
 class Node:

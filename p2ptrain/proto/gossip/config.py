@@ -8,6 +8,7 @@ Pure: no I/O, no clock, no randomness.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -41,8 +42,18 @@ class GossipConfig:
                                     "covers", minimum=0)
     average_part: int = option(DEFAULT_PART, "coordinates per averaging message: a big "
                                "model's exchange travels as parts of this size", minimum=1024)
-    max_staleness_samples: int = option(32768, "peer gradients older than this many swarm "
-                                        "samples are dropped", minimum=0)
+    # 5 s: the 32,768 swarm samples this bound was before (issue 17) at the seed fleet's
+    # ~6,700 samples/s; seconds hold across model sizes, where a count of samples does not
+    # (at 1B parameters the same fleet makes a few samples per second)
+    max_staleness_seconds: float = option(5.0, "peer gradients older than this many seconds "
+                                          "of the swarm's sample rate are dropped (age is "
+                                          "counted in swarm samples and converted with the "
+                                          "samples/s this node measures; never less than two "
+                                          "of its own steps; no bound before two steps)",
+                                          minimum=0)
+    max_staleness_samples: int = option(0, "deprecated (use gossip.max_staleness_seconds): "
+                                        "when > 0, a fixed bound in swarm samples that "
+                                        "replaces the one in seconds; 0: not set", minimum=0)
     error_feedback: bool = option(True, "keep a residual for biased codecs (topk, int8, "
                                   "randomk)")
     clip_multiple: float = option(3.0, "peer gradients are clipped to this many times the "
@@ -69,6 +80,18 @@ class GossipConfig:
     distance_patience: int = option(3, "refused averaging snapshots in a row (of one peer, or "
                                     "of all) after which the absolute bound alone judges",
                                     minimum=1)
+    average_timeout_margin: float = option(4.0, "an averaging part is given up after this "
+                                           "many times its expected time: the round trip "
+                                           "plus its bytes both ways over the bandwidth "
+                                           "measured to the peer (never sooner than "
+                                           "node.average_timeout, the only bound while "
+                                           "nothing is measured)", minimum=1)
+    average_timeout_max: float = option(600.0, "an averaging part is given up after this "
+                                        "many seconds at most, whatever the measurements, "
+                                        "and an exchange sends no further part after it "
+                                        "has run this long: a slow or hostile peer holds "
+                                        "the node's one exchange for twice this at most",
+                                        minimum=1)
     outer_every: int = option(0, "local steps between outer steps (0: off): each node shares "
                               "its progress since the last one, compressed by the codec with "
                               "error feedback, with gossip.fanout peers, and moves by the "
@@ -93,7 +116,13 @@ class GossipConfig:
                            MappingProxyType({**params, **dict(self.codec_params)}))
         checks = {
             "fanout": self.fanout >= 0,
+            "max_staleness_seconds": math.isfinite(self.max_staleness_seconds)
+            and self.max_staleness_seconds >= 0,
             "max_staleness_samples": self.max_staleness_samples >= 0,
+            "average_timeout_margin": math.isfinite(self.average_timeout_margin)
+            and self.average_timeout_margin >= 1,
+            "average_timeout_max": math.isfinite(self.average_timeout_max)
+            and self.average_timeout_max > 0,
             "clip_multiple": self.clip_multiple > 0,
             "norm_window": self.norm_window >= 1,
             "absurd_norm_multiple": self.absurd_norm_multiple >= self.clip_multiple,

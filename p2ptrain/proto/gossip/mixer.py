@@ -12,7 +12,13 @@ mixer never holds a buffer of the model's size (only one chunk-sized scratch for
 Staleness is counted in swarm samples: receiver's swarm count at use minus the sender's count
 when it computed the gradient (carried by every message). A sender whose count is ahead of the
 receiver's (its view has not reached us yet) is aged from the gradient's arrival instead, so
-every message expires after at most `max_staleness_samples` of the receiver's progress.
+every message expires after at most the bound's worth of the receiver's progress. The bound is
+set in seconds (`max_staleness_seconds`) and converted to samples with the swarm's sample rate
+as this node sees it (`SwarmRate`: its swarm count's growth over its recent steps), so one
+setting means the same on a 1M and a 1B model; never less than two of the node's own steps (a
+node whose step is longer than the bound can still use what arrived during it). Until two
+steps are measured nothing is dropped as stale. The deprecated `max_staleness_samples` > 0
+replaces it with a fixed count, as before.
 
 Clipping: each peer gradient is scaled down to `clip_multiple` times the median of a small
 window of recent norms (the own gradient's at every mix and every accepted peer's). A norm that
@@ -44,6 +50,44 @@ from p2ptrain.codecs import (
     parse_message,
 )
 from p2ptrain.proto.gossip.config import GossipConfig
+
+RATE_WINDOW = 64  # step boundaries the swarm's sample rate is measured over
+STEP_FLOOR = 2  # the staleness bound never drops below this many of the node's own steps
+
+
+class SwarmRate:
+    """The swarm's samples per second as one node sees them: the growth of its swarm count (the
+    G-counter total) over its last `window` step boundaries, and its own mean step period. A
+    count that jumps (a merge that brings old history) inflates the rate -- a looser bound --
+    for one window at most; a caller that replaces its replica clears it."""
+
+    def __init__(self, window: int = RATE_WINDOW):
+        self._points: deque[tuple[float, int]] = deque(maxlen=max(2, window))
+
+    def observe(self, now: float, total: int) -> None:
+        """One step boundary at `now`, when the swarm count was `total`."""
+        if not math.isfinite(now) or (self._points and now < self._points[-1][0]):
+            raise ValueError(f"bad time {now} for the swarm rate")
+        self._points.append((float(now), int(total)))
+
+    def _span(self) -> tuple[float, int] | None:
+        if len(self._points) < 2:
+            return None
+        (t0, c0), (t1, c1) = self._points[0], self._points[-1]
+        return (t1 - t0, max(c1 - c0, 0)) if t1 > t0 else None
+
+    @property
+    def samples_per_second(self) -> float | None:
+        span = self._span()
+        return None if span is None else span[1] / span[0]
+
+    @property
+    def step_seconds(self) -> float | None:
+        span = self._span()
+        return None if span is None else span[0] / (len(self._points) - 1)
+
+    def clear(self) -> None:
+        self._points.clear()
 
 
 class PlainEncoder:
@@ -101,6 +145,7 @@ class MixReport:
     dropped_stale: int  # complete vectors dropped as too old at this mix
     dropped_incomplete: int  # vectors dropped because their missing chunks never came in time
     pending: int  # incomplete vectors kept for the next mix
+    max_staleness: float = math.inf  # the staleness bound of this mix, swarm samples
 
     @property
     def senders(self) -> frozenset[bytes]:
@@ -150,6 +195,22 @@ class GradientMixer:
         self.drops: Counter[str] = Counter()  # stale, full, incomplete, malformed, norm
         self.used: Counter[bytes] = Counter()  # peer gradients mixed in, per sender
         self.mixes = 0  # calls to mix
+        self.rate = SwarmRate()  # the swarm's samples/s: converts the staleness bound
+
+    def observe(self, now: float, swarm_samples: int) -> None:
+        """A step boundary at `now` with the swarm count `swarm_samples` (before `mix`)."""
+        self.rate.observe(now, swarm_samples)
+
+    @property
+    def max_staleness(self) -> float:
+        """The staleness bound now, in swarm samples (inf: none yet)."""
+        cfg = self.config
+        if cfg.max_staleness_samples > 0:
+            return float(cfg.max_staleness_samples)
+        rate, step = self.rate.samples_per_second, self.rate.step_seconds
+        if rate is None or step is None:
+            return math.inf
+        return rate * max(cfg.max_staleness_seconds, STEP_FLOOR * step)
 
     # -- arrival ----------------------------------------------------------------------------
 
@@ -191,7 +252,7 @@ class GradientMixer:
         if entry is None:
             entry = _Pending(message, swarm_samples, self._seq)
             self._seq += 1
-            if swarm_samples - entry.origin > self.config.max_staleness_samples:
+            if swarm_samples - entry.origin > self.max_staleness:
                 self.drops["stale"] += 1
                 return Arrival.STALE
         if not self._make_room(entry, size):
@@ -283,7 +344,7 @@ class GradientMixer:
     def mix(self, grad: np.ndarray, weight: float, swarm_samples: int) -> MixReport:
         """grad <- (weight * grad + sum_i w_i * c_i * g_i) / (weight + sum_i w_i), in place,
         over the pending complete peer gradients g_i (w_i their sample weights, c_i <= 1 their
-        clip factors) that are not staler than `max_staleness_samples` at the receiver's swarm
+        clip factors) that are not staler than `max_staleness` at the receiver's swarm
         count `swarm_samples`. Every complete or stale vector leaves the queue."""
         if (not isinstance(grad, np.ndarray) or grad.dtype != np.float32
                 or grad.shape != (self.n,) or not grad.flags.c_contiguous):
@@ -297,9 +358,10 @@ class GradientMixer:
         clip_norm = self.config.clip_multiple * statistics.median(self._norms)
         used: list[tuple[_Pending, int]] = []
         stale = incomplete = 0
+        bound = self.max_staleness
         for key, entry in list(self._pending.items()):
             age = max(0, swarm_samples - entry.origin)
-            if age > self.config.max_staleness_samples:
+            if age > bound:
                 stale += entry.complete
                 incomplete += not entry.complete
                 self._remove(key)
@@ -322,7 +384,7 @@ class GradientMixer:
                                       norm, scale, age))
         self.mixes += 1
         return MixReport(own_norm, clip_norm, total, tuple(peers), stale, incomplete,
-                         len(self._pending))
+                         len(self._pending), bound)
 
     # -- inspection --------------------------------------------------------------------------
 
@@ -342,6 +404,7 @@ class GradientMixer:
 
     def clear(self) -> None:
         """Forget every waiting gradient (e.g. after the replica was replaced); not counted
-        as drops."""
+        as drops. The sample rate starts afresh (the swarm count may have jumped)."""
         self._pending.clear()
         self._bytes = 0
+        self.rate.clear()

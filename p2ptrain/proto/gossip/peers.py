@@ -9,6 +9,13 @@ are preferred without starving the others: every eligible peer keeps at least `e
 the mean weight, so slow links are still sampled (their estimates stay fresh, and the swarm
 stays one well-mixed graph). Peers never measured are given the median of the measured ones.
 
+`give_up_seconds` is how long a request/response with a peer may take before it is given up
+(an averaging part): a margin times its expected time from the same estimates, between a floor
+(all that is used while nothing is measured) and a ceiling (whatever a peer does, nobody waits
+longer). A request given up is evidence too: `with_shortfall` lowers the peer's bandwidth to
+what the unfinished transfer proves at most, so the next give-up is longer (by the margin, per
+shortfall in a row, up to the ceiling) and the peer is chosen less often meanwhile.
+
 Which peers are eligible (alive, not suspect, compatible, not ourselves) is the caller's
 decision. Times are passed in (seconds on any monotonic clock); randomness comes from the
 caller's `np.random.Generator`. No I/O, no clock, no global random state.
@@ -65,6 +72,19 @@ class PeerStats:
         busy = max(seconds - (self.rtt or 0.0), 0.25 * seconds)
         return dataclasses.replace(record, bandwidth=_ewma(self.bandwidth, moved / busy, alpha))
 
+    def with_shortfall(self, moved: int, seconds: float) -> PeerStats:
+        """A request/response of `moved` bytes (both ways) did not finish in `seconds`: the
+        link carried less than moved / seconds, so the bandwidth is lowered to that at most
+        (not averaged: the bound is certain). Nothing was heard: `last_seen` stays."""
+        if moved < 0 or not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"bad shortfall: {moved} bytes in {seconds} s")
+        if moved < MIN_BANDWIDTH_BYTES or seconds <= 0:
+            return self
+        bound = moved / seconds
+        if self.bandwidth is not None and self.bandwidth <= bound:
+            return self
+        return dataclasses.replace(self, bandwidth=bound)
+
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:
     """The first sample sets the average; later ones move it by alpha of the difference."""
@@ -105,6 +125,14 @@ class PeerTable:
         self._stats[peer] = self.get(peer).with_transfer(sent, received, seconds, now,
                                                          self.alpha)
 
+    def observe_shortfall(self, peer: str, moved: int, seconds: float) -> None:
+        self._stats[peer] = self.get(peer).with_shortfall(moved, seconds)
+
+    def give_up(self, peer: str, message_bytes: int, *, floor: float, margin: float,
+                ceiling: float) -> float:
+        return give_up_seconds(self._stats, peer, message_bytes, floor=floor, margin=margin,
+                               ceiling=ceiling)
+
     def forget(self, peer: str) -> None:
         self._stats.pop(peer, None)
 
@@ -130,6 +158,31 @@ def delivery_seconds(stats: Mapping[str, PeerStats], peers: Iterable[str],
         bw = s.bandwidth if s.bandwidth is not None and s.bandwidth > 0 else bw_prior
         out[p] = rtt + max(message_bytes, 0) / bw
     return out
+
+
+def give_up_seconds(stats: Mapping[str, PeerStats], peer: str, message_bytes: int, *,
+                    floor: float, margin: float, ceiling: float) -> float:
+    """Seconds to wait for a request/response moving `message_bytes` (both ways together)
+    with `peer` before giving it up: `margin` x (rtt + bytes / bandwidth), from the peer's
+    estimates, else the median of the measured peers' (a new peer on a slow network is no
+    faster than the others); at least `floor`, and exactly `floor` while no bandwidth is
+    measured; at most `ceiling` (a ceiling below the floor leaves the floor)."""
+    if not (math.isfinite(floor) and floor > 0 and math.isfinite(ceiling)
+            and math.isfinite(margin) and margin >= 1 and message_bytes >= 0):
+        raise ValueError(f"bad give-up bounds: floor {floor}, margin {margin}, ceiling "
+                         f"{ceiling}, {message_bytes} bytes")
+    own = stats.get(peer, PeerStats())
+    bandwidth, rtt = own.bandwidth, own.rtt
+    if bandwidth is None or bandwidth <= 0:
+        measured = [s.bandwidth for s in stats.values() if s.bandwidth and s.bandwidth > 0]
+        bandwidth = statistics.median(measured) if measured else None
+    if rtt is None:
+        rtts = [s.rtt for s in stats.values() if s.rtt is not None]
+        rtt = statistics.median(rtts) if rtts else 0.0
+    if bandwidth is None:
+        return floor
+    expected = rtt + message_bytes / bandwidth
+    return max(floor, min(ceiling, margin * expected))
 
 
 def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout: int,

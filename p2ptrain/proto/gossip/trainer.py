@@ -22,6 +22,12 @@ one's reply would not fit. A node that is not training yet (joining: its replica
 initial one) declines. The error-feedback residual exists only when gradients are pushed
 (`fanout > 0`).
 
+Give-up: each part of an averaging exchange waits for its reply until a deadline that grows
+with its bytes over the bandwidth measured to the peer (`give_up_seconds`: `average_timeout_margin`
+x the expected time, at least `average_timeout` -- the only bound while nothing is measured --
+and at most `average_timeout_max`); a part given up lowers that peer's bandwidth estimate, so
+the next one waits longer. No part is sent once the exchange has run `average_timeout_max`.
+
 Outbound-only peers: nobody may connect to them, so they are never push targets or averaging
 partners; they start exchanges themselves, and a push from one is answered with this node's
 latest gradient (`GradientReply`, sent in the response), once per own step.
@@ -93,6 +99,7 @@ class Exchange:
     part: int = 0  # the part awaiting its reply
     parts: int = 1  # parts of the exchange
     addr: str = ""  # where the responder accepts requests
+    opened: float | None = None  # when the exchange's first part was sent (None: `started`)
 
 
 class TooFar(CodecError):
@@ -131,8 +138,9 @@ class GossipTrainer:
         self.exchange: Exchange | None = None
         self.held = HeldDeltas(self.plan, held_capacity(n))  # half steps while busy
         self.reading = False  # the driver reads the learner's buffers: busy even between steps
-        self.next_part: tuple[str, str, int, int, int] | None = None  # (peer, addr, seed,
-        # part, parts): an exchange's next part, sent at the step boundary (no room while busy)
+        self.next_part: tuple[str, str, int, int, int, float] | None = None  # (peer, addr,
+        # seed, part, parts, opened): an exchange's next part, sent at the step boundary (no
+        # room while busy)
         self.latest: tuple[int, float, list[bytes]] | None = None  # own last gradient sent
         self.served: dict[str, int] = {}  # outbound-only peer -> own step last returned to it
         self.peer_progress: dict[str, tuple[int, float | None]] = {}  # last (step, loss) heard
@@ -238,7 +246,8 @@ class GossipTrainer:
             self.peers.observe_transfer(sender, ex.sent, received, now - ex.started, now)
             self._finish(self.initiator, parsed, busy)
             if ex.part + 1 < ex.parts:  # the next part, from a fresh snapshot of it
-                nxt = (ex.peer, ex.addr or addr, ex.seed, ex.part + 1, ex.parts)
+                nxt = (ex.peer, ex.addr or addr, ex.seed, ex.part + 1, ex.parts,
+                       ex.started if ex.opened is None else ex.opened)
                 if busy and not self.held.room(self._part_size(ex.seed, ex.part + 1)):
                     self.next_part = nxt  # its reply could not be held: after the step
                 else:
@@ -335,6 +344,7 @@ class GossipTrainer:
             for peer in self.peers.choose(addrs, cfg.fanout, self.rng, size):
                 out.extend(Out(peer, addrs[peer], GradientPush(step, loss, c)) for c in chunks)
                 self.stats["gradient_pushes"] += 1
+        self.mixer.observe(now, swarm)  # the swarm's sample rate: the staleness bound
         report = self.mixer.mix(learner.grad, float(learner.batch), swarm)
         self.last_mix = report
         learner.apply_gradient(learner.grad, loss)
@@ -350,18 +360,24 @@ class GossipTrainer:
         addrs = dict(partners)
         (peer,) = self.peers.choose(addrs, 1, self.rng, 4 * self.plan.capacity)
         seed = int(self.rng.integers(0, MAX_SEED))
-        self._send_part(now, peer, addrs[peer], seed, 0, self.plan.parts(seed), out)
+        self._send_part(now, peer, addrs[peer], seed, 0, self.plan.parts(seed), now, out)
         self.stats["average_started"] += 1
 
     def _send_part(self, now: float, peer: str, addr: str, seed: int, part: int, parts: int,
-                   out: list[Out]) -> None:
-        """Snapshot part `part` of exchange `seed` and send it; wait for its reply."""
+                   opened: float, out: list[Out]) -> None:
+        """Snapshot part `part` of exchange `seed` (first sent at `opened`) and send it; wait
+        for its reply until its give-up time. A later part is not sent once the exchange has
+        run `average_timeout_max` (the parts done stay applied: each stands alone)."""
         learner = self.learner
+        if part > 0 and now - opened >= self.config.average_timeout_max:
+            self.stats["average_cut_short"] += 1
+            return
         self.initiator.begin(learner.params, seed, part)  # a read: allowed while busy
         chunks = tuple(bytes(c) for c in self.initiator.messages(self.sender,
                                                                  learner.count.total))
-        self.exchange = Exchange(peer, seed, now, now + self.average_timeout,
-                                 sum(len(c) for c in chunks), part, parts, addr)
+        sent = sum(len(c) for c in chunks)
+        self.exchange = Exchange(peer, seed, now, now + self.give_up_seconds(peer, sent),
+                                 sent, part, parts, addr, opened)
         self.stats["average_parts_sent"] += 1
         self.stats["average_bytes_sent"] += self.exchange.sent
         out.append(Out(peer, addr, AverageRequest(seed, learner.step, learner.count.as_dict(),
@@ -402,6 +418,14 @@ class GossipTrainer:
 
     # -- timers -------------------------------------------------------------------------------
 
+    def give_up_seconds(self, peer: str, sent: int) -> float:
+        """How long a part that sent `sent` bytes to `peer` waits for its reply (as many bytes
+        come back): see the module docstring."""
+        cfg = self.config
+        return self.peers.give_up(peer, 2 * sent, floor=self.average_timeout,
+                                  margin=cfg.average_timeout_margin,
+                                  ceiling=cfg.average_timeout_max)
+
     def next_deadline(self) -> float | None:
         return self.exchange.deadline if self.exchange is not None else None
 
@@ -410,6 +434,7 @@ class GossipTrainer:
         if ex is not None and now >= ex.deadline:
             self.exchange = None
             self.initiator.abort()
+            self.peers.observe_shortfall(ex.peer, 2 * ex.sent, now - ex.started)
             self.stats["average_timeout"] += 1
 
     def close(self) -> None:
