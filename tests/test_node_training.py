@@ -100,15 +100,3 @@ def test_eight_nodes_with_the_default_algorithm_train_like_one_node_with_eight_t
     assert GossipConfig().fanout == 0  # the defaults average only: no gradient travels
     check_swarm(baselines, GossipConfig(), min_peers_used=0)
 
-
-OUTER = GossipConfig(outer_every=10, fanout=2, codec="topk", fraction=0.01,
-                     average_every=10)
-
-
-@pytest.mark.slow
-def test_eight_nodes_sharing_compressed_pseudo_gradients_train_like_one_node(baselines):
-    """Issue 17's outer steps: every 10 steps each node shares the top 1% of its progress
-    (error feedback keeps the rest) with 2 peers and moves by the average through Nesterov
-    momentum; fp16 averaging of 10% of the coordinates every 10 steps holds the replicas
-    together."""
-    check_swarm(baselines, OUTER, min_peers_used=2)
