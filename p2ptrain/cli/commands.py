@@ -96,6 +96,17 @@ def model_summary(cfg) -> str:
     preset = f" (preset {cfg['model.preset']})" if cfg["model.preset"] else ""
     lines = [f"# model: {name}{preset}: {shape}: {n:,} parameters with a vocabulary of "
              f"{vocab:,} ({where})"]
+    if cfg["train.mode"] == "lora" and name == "rwkv":
+        from p2ptrain.models.lora import LoRAConfig, lora_sizes
+
+        try:
+            adapters, _ = lora_sizes(replace(config, vocab_size=vocab), LoRAConfig(
+                cfg["lora.rank"], cfg["lora.alpha"], cfg["lora.targets"]))
+            lines.append(f"#   LoRA r{cfg['lora.rank']}: {adapters:,} adapter parameters train "
+                         f"and travel ({adapters / n:.2%}); the base's shape replaces this one "
+                         f"when it is read")
+        except ValueError as exc:
+            lines.append(f"#   LoRA: {exc}")
     if cfg["model.init_from"]:
         lines.append(f"#   (the shape and vocabulary of {cfg['model.init_from']} replace these "
                      f"when it is read)")
