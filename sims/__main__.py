@@ -8,7 +8,8 @@
 (with the `plot` extra), prints the table, and reports the wall-clock time on stderr and in
 DIR/run.log -- never in results.json. `seeds` prints one table over several runs' output
 directories (seeds of one scenario, or several scenarios): time to target per seed, the
-median, and the best single machine's and the coordinator's time over each method's. Only this driver reads the wall clock.
+median, and the best single machine's and the coordinator's time over each method's.
+Only this driver reads the wall clock.
 """
 
 from __future__ import annotations
