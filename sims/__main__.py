@@ -2,10 +2,14 @@
 
     python -m sims list
     python -m sims run seed-fleet [--seed N] [--out DIR] [--jobs J] [--no-plots]
+    python -m sims seeds DIR [DIR ...]
 
 `run` writes DIR/results.json (deterministic for a seed), DIR/table.md and the PNG plots
 (with the `plot` extra), prints the table, and reports the wall-clock time on stderr and in
-DIR/run.log -- never in results.json. Only this driver reads the wall clock.
+DIR/run.log -- never in results.json. `seeds` prints one table over several runs' output
+directories (seeds of one scenario, or several scenarios): time to target per seed, the
+median, and the best single machine's and the coordinator's time over each method's.
+Only this driver reads the wall clock.
 """
 
 from __future__ import annotations
@@ -38,7 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     p_run.add_argument("--jobs", type=int, default=None,
                        help="methods run in parallel processes (default: the file's, or 1)")
     p_run.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p_seeds = sub.add_parser("seeds", help="one table over several runs (results.json dirs)")
+    p_seeds.add_argument("dirs", nargs="+", type=Path)
     args = parser.parse_args(argv)
+
+    if args.command == "seeds":
+        import json
+
+        from sims import report
+
+        print(report.seeds_table([json.loads((d / "results.json").read_text())
+                                  for d in args.dirs]), end="")
+        return 0
 
     if args.command == "list":
         names = scenario.available()

@@ -6,7 +6,8 @@ A method calls `Recorder.point(t, losses, distance)` at every evaluation (one lo
 replica: the mean is the curve, the worst is kept too) and counts steps and bytes as it
 goes; `Recorder.result(world, until)` turns it into a plain dict for results.json. Time to
 target is the first evaluation at which the mean replica loss is at or below the target
-(so its resolution is the scenario's `eval_every`). Numbers are rounded to 6 significant
+(so its resolution is the scenario's `eval_every`); with `stop` set (the scenario's
+`stop_at_target`), that evaluation also ends the run. Numbers are rounded to 6 significant
 digits so results.json stays readable; the same run gives the same bytes. Pure.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -45,6 +47,7 @@ class Recorder:
         self.kind_count: Counter[str] = Counter()
         self.extra: dict[str, Any] = {}  # method-specific figures
         self.ended_at: float | None = None  # when training finished (or the run's end)
+        self.stop: Callable[[], None] | None = None  # called when the target is first reached
 
     def sent(self, kind: str, size: int) -> None:
         self.kind_bytes[kind] += size
@@ -58,6 +61,9 @@ class Recorder:
         self.curve.append([sig(t), sig(mean), sig(max(losses)), sig(distance), self.samples])
         if self.reached_at is None and self.target is not None and mean <= self.target:
             self.reached_at = t
+            if self.stop is not None:
+                self.ended_at = t
+                self.stop()
 
     def final(self) -> tuple[float | None, float | None, float | None]:
         """(mean loss, worst loss, distance) of the last evaluation that had replicas."""

@@ -229,3 +229,63 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return [f"plots: {path.name}"]
+
+
+def _samples_at(r: dict[str, Any], t: float | None) -> int | None:
+    """Samples the method had computed at simulated time t (the curve's point at t)."""
+    if t is None:
+        return None
+    for point in r["curve"]:
+        if point[0] is not None and point[0] >= t:
+            return point[4]
+    return None
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def seeds_table(runs: list[dict[str, Any]]) -> str:
+    """One row per (scenario, method) over several seeds' results: time to target per seed,
+    the median (over the seeds that reached it; "not reached" unless most did), the swarm
+    samples computed by then, and the median time of the scenario's `solo` method (the best
+    single machine) and of its first coordinator over the method's (> 1: the method is
+    faster). A seed that did not reach the target counts as its run's length."""
+    by_scenario: dict[str, list[dict[str, Any]]] = {}
+    for res in sorted(runs, key=lambda res: res["seed"]):
+        by_scenario.setdefault(res["scenario"], []).append(res)
+    lines = ["| scenario | charged model | method | time to target, seeds | median | swarm "
+             "samples to target (median) | best single machine / method | coordinator / "
+             "method |", "|---|---|---|---|---:|---:|---:|---:|"]
+    for name, results in by_scenario.items():
+        seeds = [res["seed"] for res in results]
+        rows: dict[str, list[dict[str, Any]]] = {}
+        for res in results:
+            for r in res["methods"]:
+                rows.setdefault(r["name"], []).append(r)
+
+        def median_time(rs: list[dict[str, Any]]) -> float | None:
+            times = [r["time_to_target"] for r in rs if r["time_to_target"] is not None]
+            if 2 * len(times) <= len(rs):
+                return None
+            return _median([t if t is not None else r["simulated_seconds"]
+                            for r in rs for t in [r["time_to_target"]]])
+
+        medians = {method: median_time(rs) for method, rs in rows.items()}
+        kinds = {method: rs[0]["kind"] for method, rs in rows.items()}
+        solo = next((medians[m] for m in rows if kinds[m] == "solo"), None)
+        coord = next((medians[m] for m in rows if kinds[m] == "coordinator"), None)
+        model = results[0].get("fleet", {}).get("charged_model", {}).get("name", "–")
+        for method, rs in rows.items():
+            med = medians[method]
+            samples = [s for r in rs for s in [_samples_at(r, r["time_to_target"])]
+                       if s is not None]
+            per_seed = " / ".join(_time(r["time_to_target"]) for r in rs)
+            lines.append(_row(
+                name, model, method, f"{per_seed} (seeds {', '.join(map(str, seeds))})",
+                _time(med), f"{_median(samples):,.0f}" if samples and med is not None else "–",
+                f"{solo / med:.2f}" if solo and med else "–",
+                f"{coord / med:.2f}" if coord and med else "–"))
+    return "\n".join(lines) + "\n"

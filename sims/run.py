@@ -31,7 +31,10 @@ def run_method(scenario: Scenario, method: Method, seed: int) -> dict[str, Any]:
     """One method of a training scenario, in a fresh world."""
     training = Training(scenario)
     world = World(scenario, seed, training)
-    return SIMULATORS[method.kind](world, method).run()
+    sim = SIMULATORS[method.kind](world, method)
+    if scenario.stop_at_target:
+        sim.recorder.stop = world.engine.stop
+    return sim.run()
 
 
 def fleet_summary(scenario: Scenario, seed: int) -> dict[str, Any]:

@@ -25,7 +25,8 @@ SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 METHOD_KINDS = ("gossip", "coordinator", "allreduce", "solo", "fetch")
 TOP_KEYS = {"name", "description", "seed", "mode", "duration", "target_loss", "eval_every",
             "eval_windows", "model", "charge", "train", "protocol", "sites", "nodes",
-            "devices", "churn", "methods", "sweep", "jobs", "checkpoint"}
+            "devices", "churn", "methods", "sweep", "jobs", "checkpoint", "base",
+            "stop_at_target"}
 CHECKPOINT_KEYS = {"chunk_mib", "request_bytes", "files", "fetch"}
 MIB = 2**20
 
@@ -102,6 +103,7 @@ class Scenario:
     methods: tuple[Method, ...]
     sweep: dict[str, Any]  # traffic mode: {"nodes": [...], "params": [...]}
     jobs: int  # methods run in parallel processes
+    stop_at_target: bool = False  # a method's run ends at its first evaluation at the target
     checkpoint: CheckpointSpec | None = None  # join storm: the files fetched (fetch methods)
     path: Path | None = None
 
@@ -216,7 +218,8 @@ def parse(doc: dict, path: Path | None = None) -> Scenario:
             train=dict(doc.get("train", {})), protocol=dict(doc.get("protocol", {})),
             sites=sites, nodes=tuple(groups), devices=devices, churn=churn,
             methods=tuple(methods), sweep=dict(doc.get("sweep", {})),
-            jobs=int(doc.get("jobs", 1)), checkpoint=checkpoint, path=path)
+            jobs=int(doc.get("jobs", 1)), stop_at_target=bool(doc.get("stop_at_target", False)),
+            checkpoint=checkpoint, path=path)
     except ScenarioError:
         raise
     except (KeyError, TypeError, ValueError) as exc:
@@ -235,10 +238,24 @@ def locate(name_or_path: str) -> Path:
     raise ScenarioError(f"no scenario {name_or_path!r} (known: {', '.join(available())})")
 
 
+def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A scenario file's TOML document; `base = "NAME"` starts from that scenario's document
+    and replaces each top-level key the file sets (a table or an array of tables is replaced
+    whole, never merged)."""
+    if path.resolve() in seen:
+        raise ScenarioError(f"{path.name}: base scenarios form a cycle")
+    with path.open("rb") as f:
+        doc = tomllib.load(f)
+    base = doc.pop("base", None)
+    if base is None:
+        return doc
+    inherited = read(locate(str(base)), seen + (path.resolve(),))
+    return {**inherited, **doc}
+
+
 def load(name_or_path: str) -> Scenario:
     path = locate(name_or_path)
-    with path.open("rb") as f:
-        return parse(tomllib.load(f), path)
+    return parse(read(path), path)
 
 
 def available() -> list[str]:
