@@ -125,3 +125,20 @@ def test_outer_settings_are_checked():
         GossipConfig(outer_every=10, fanout=0)
     with pytest.raises(ValueError, match="outer_momentum"):
         GossipConfig(outer_every=10, fanout=1, outer_momentum=1.5)
+
+
+def test_keeping_unsent_progress_gives_back_only_what_was_sent():
+    """outer_rewind = false: the replica keeps the progress it still owes -- after the
+    outer step it sits at the round's start minus exactly what e holds."""
+    n = 8000
+    o = make_outer(n, codec="topk", fraction=0.05, outer_momentum=1.0, outer_rewind=False)
+    rng = np.random.default_rng(4)
+    anchor = rng.normal(size=n).astype(np.float32)
+    o.progress.add(0, (rng.normal(size=n) * 1e-2).astype(np.float32))
+    x = anchor - widened(o.progress.bits)
+    c = np.empty(n, np.float32)
+    o.share(c, sender=SENDER, swarm=0, weight=1.0, seed=1, chunk_elems=2048)
+    o.give_back(x, c)
+    assert not o.progress.bits.any()
+    err = x - (anchor - widened(o.feedback))
+    assert float(np.abs(err).max()) < 0.02 * float(np.abs(widened(o.feedback)).max())

@@ -102,6 +102,9 @@ class GossipConfig:
     outer_momentum: float = option(0.9, "decay of the error-feedback accumulator each outer "
                                    "step; it is the outer momentum (SparseLoCo); 0: plain "
                                    "error feedback", minimum=0)
+    outer_rewind: bool = option(True, "at an outer step go back to where the round started "
+                                "(SparseLoCo); false: keep the progress not yet sent (it "
+                                "still travels later)")
     queue_vectors: int = option(16, "peer gradients waiting for the next mix, at most",
                                 minimum=1)
     queue_bytes: int = option(256 << 20, "wire bytes of the peer gradients waiting, at most",

@@ -84,6 +84,12 @@ class OuterOptimizer:
             out.append(bytes(msg))
         return out
 
+    def give_back(self, params: np.ndarray, shared: np.ndarray) -> None:
+        """params += c (`outer_rewind = false`): only what was sent is replaced by the
+        average; the replica keeps the progress it still owes. The round's d starts anew."""
+        params += shared
+        self.progress.reset()
+
     def rewind(self, params: np.ndarray) -> None:
         """params += d: back to where the round started; the next round's d starts at 0."""
         for lo, hi in blocks(self.n):

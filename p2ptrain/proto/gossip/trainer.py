@@ -404,7 +404,10 @@ class GossipTrainer:
                 out.extend(Out(peer, addrs[peer], GradientPush(step, loss, c)) for c in chunks)
                 self.stats["outer_pushes"] += 1
                 self.stats["outer_bytes_sent"] += size
-            outer.rewind(learner.params)  # back to the round's start: the anchor
+            if self.config.outer_rewind:
+                outer.rewind(learner.params)  # back to the round's start: the anchor
+            else:
+                outer.give_back(learner.params, learner.grad)
             report = self.mixer.mix(learner.grad, weight, swarm)
             outer.apply(learner.params, learner.grad)
             self.stats["outer_steps"] += 1
