@@ -100,3 +100,31 @@ def test_eight_nodes_with_the_default_algorithm_train_like_one_node_with_eight_t
     assert GossipConfig().fanout == 0  # the defaults average only: no gradient travels
     check_swarm(baselines, GossipConfig(), min_peers_used=0)
 
+
+
+OUTER = GossipConfig(outer_every=20, fanout=2, fraction=0.1, average_every=20,
+                     outer_momentum=1.0, outer_rewind=False)
+
+
+@pytest.mark.slow
+def test_eight_nodes_sharing_compressed_pseudo_gradients_train_like_one_node(baselines):
+    """Issue 17's outer steps: every 20 steps each node sends the top 10% of the progress it
+    owes to 2 peers and moves by the average; 10% fp16 averaging every 20 steps holds the
+    replicas together. Within 5% of one node with 8x the batch, like the default, with every
+    node using its peers' pseudo-gradients, at 50x fewer bytes than one dense fp32 gradient
+    per step. (This small run does not tell communication schemes apart well -- 8 nodes
+    without any communication end 4.6% above the reference -- it catches outer steps that
+    hurt: a first version ended 9-15% above.)"""
+    corpus, reference, alone, alone_losses = baselines
+    swarm, losses = run_swarm(corpus, OUTER)
+    steps = [n.machine.trainer.learner.step for n in swarm.nodes]
+    sent = sum(sum(n.machine.bytes_out.values()) for n in swarm.nodes)
+    dense = 4 * MODEL.space.n_params * sum(steps)
+    peers_used = [len(n.machine.trainer.mixer.used) for n in swarm.nodes]
+    outer_steps = [n.machine.trainer.stats["outer_steps"] for n in swarm.nodes]
+    print(f"\nouter steps: held-out worst {max(losses):.4f} ({max(losses) / reference - 1:+.1%});"
+          f" sent {sent / 1e6:.1f} MB, {dense / sent:.0f}x less than dense fp32 gradients; "
+          f"peers used {peers_used}; outer steps {outer_steps}")
+    assert max(losses) <= 1.05 * reference
+    assert min(peers_used) >= 2 and min(outer_steps) >= 30
+    assert dense >= 50 * sent
