@@ -7,8 +7,9 @@ mean times to failure and to return. From these and a model's FLOPs it derives
 
 - the batch the hardware detection would choose (`p2ptrain.hw.choose_batch`, the same code
   the runtime runs, fed a synthetic `Hardware` record), and
-- the compute time of one step: batch x FLOPs per sample / (matmul FLOP/s x efficiency),
-  times a seeded log-normal jitter.
+- the time of one step: batch x FLOPs per sample / (matmul FLOP/s x efficiency), times
+  (1 + `overhead`, the host work beside the gradient: optimiser update, mixing, codecs, the
+  event loop), times a seeded log-normal jitter.
 
 Profiles are calibrated from real hardware with `calibrate(profile, bench_json)`, where the
 JSON is `p2ptrain bench --json` output from the machine: its matmul GFLOP/s and its measured
@@ -51,6 +52,10 @@ class Device:
     mttf: float = 6 * 3600.0  # s; mean time to failure (exponential)
     mttr: float = 600.0  # s; mean time until a failed machine is back (exponential)
     jitter: float = 0.1  # sigma of the log-normal factor on each step's compute time
+    # host work per step beside the gradient (optimiser update, mixing, codecs, the event
+    # loop and HTTP), as a share of the gradient's time; 0: not charged. Calibration against
+    # real nodes (tests/bench/calibrate.py) measured 0.2-0.3 for a 141k-parameter rwkv
+    overhead: float = 0.0
 
     def __post_init__(self) -> None:
         positive = (self.matmul_gflops, self.efficiency, self.memory_gib, self.cpus,
@@ -59,6 +64,8 @@ class Device:
             raise ValueError(f"device {self.name}: every rate, size and time must be > 0")
         if not 0 <= self.jitter < 1:
             raise ValueError(f"device {self.name}: jitter must be in [0, 1)")
+        if not (isinstance(self.overhead, int | float) and 0 <= self.overhead < 100):
+            raise ValueError(f"device {self.name}: overhead must be in [0, 100)")
 
     @property
     def flops(self) -> float:
@@ -84,8 +91,9 @@ class Device:
 
     def step_seconds(self, batch: int, flops_per_sample: float,
                      rng: random.Random | None = None) -> float:
-        """Compute time of one step of `batch` samples (jittered when `rng` is given)."""
-        base = batch * flops_per_sample / self.flops
+        """Time of one step of `batch` samples, the host work beside the gradient included
+        (jittered when `rng` is given)."""
+        base = batch * flops_per_sample / self.flops * (1.0 + self.overhead)
         if rng is None or self.jitter == 0:
             return base
         return base * math.exp(rng.gauss(0.0, self.jitter) - self.jitter**2 / 2)

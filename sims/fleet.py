@@ -5,7 +5,8 @@ training pieces, and the failure schedule every method of the scenario shares.
 its own world, with the same seed, so each sees the same machines, batches, node ids and
 failure times). A `Member` is one machine: its device profile, site, medium, node id and
 address, whether it is outbound-only (its site is behind carrier-grade NAT), and the batch
-the hardware detection would choose for the charged model. `Training` holds the proxy model,
+the hardware detection would choose for the charged model (`[train] batch`, when set, as a
+node's own setting does). `Training` holds the proxy model,
 the corpus and the held-out windows, and makes learners. `failure_schedule` draws one
 machine's (fail, back) times from exponential distributions. Pure apart from reading the
 built-in corpus once per process.
@@ -132,6 +133,9 @@ class World:
         self.network = Network(self.engine, scenario.sites)
         target = (training.settings.target_step_seconds if training
                   else float(scenario.train.get("target_step_seconds", 0.25)))
+        # [train] batch/accum set by hand win over the hardware's choice, as on a real node
+        fixed_batch = int(scenario.train.get("batch", 0))
+        fixed_accum = int(scenario.train.get("accum", 0))
         ids = random.Random(stream_seed(seed, "node-ids"))
         nat = {s.name: s.uplink.cgnat for s in scenario.sites}
         site_index = {s.name: k for k, s in enumerate(scenario.sites)}
@@ -144,6 +148,7 @@ class World:
                                  f"does not fit in a {device.name}'s {device.memory_gib:g} GiB")
             batch, accum = device.batch(self.charged.flops_per_sample,
                                         self.charged.activation_bytes, target)
+            batch, accum = fixed_batch or batch, fixed_accum or accum
             for _ in range(group.count):
                 i = len(self.members)
                 addr = f"10.{site_index[group.site]}.{i >> 8 & 255}.{i & 255}:7100"

@@ -7,7 +7,9 @@ Each machine runs one `p2ptrain.proto.node.Node`. The driver performs its action
   the device's modelled compute time for the *charged* model -- wall time is never measured;
 - `Send`: handed to the network at its charged size (charge.py; the proxy's exact wire size
   when nothing is rescaled), a reply marked as such (it passes NAT), a gradient push marked
-  droppable (the outbox's in-flight limit); it is delivered as the same `Envelope` object;
+  droppable (the outbox's in-flight limit); it is delivered as the same `Envelope` object,
+  and one lost on a lossy link is sent again after TCP's retransmission timeout (the
+  runtime's messages go over TCP, which loses none; a partition or a dead peer still ends it);
 - `SaveCheckpoint`: the leader's replica and swarm counter are kept as "the latest
   checkpoint"; `FetchCheckpoint` (a joining node, e.g. a machine back from a failure with
   nothing of its own) moves it over the network at its charged size from the source the node
@@ -57,6 +59,7 @@ from sims.metrics import Recorder
 from sims.scenario import Method
 
 CHECKPOINT_OVERHEAD = 4096  # bytes of manifest and headers around a checkpoint's weights
+RETRANSMIT_SECONDS = 0.2  # TCP's retransmission timeout (Linux's minimum RTO)
 
 
 def split_params(params: dict) -> tuple[GossipConfig, NodeConfig]:
@@ -114,6 +117,7 @@ class GossipSim:
         self.machines = [Machine(m) for m in world.members]
         self.checkpoint: Checkpoint | None = None
         self.fetches = 0
+        self.retransmits = 0  # messages lost on a link and sent again (TCP)
         self.fetched_data: dict[str, Checkpoint] = {}  # CheckpointFetched.path -> checkpoint
         self.finished = False
 
@@ -256,13 +260,27 @@ class GossipSim:
         if dst is None:
             return
         envelope = send.envelope
-        body = envelope.body
         size = self.world.bytes.size(envelope)
-        kind = type(body).__name__
-        self.recorder.sent(kind, size)
+        self.recorder.sent(type(envelope.body).__name__, size)
+        self._transmit(i, dst, envelope, size, send.reply, self.machines[i].generation)
+
+    def _transmit(self, i: int, dst: int, envelope, size: int, reply: bool,
+                  generation: int) -> None:
+        """Hand one message to the network. A message lost on the way (a lossy link) is
+        sent again after TCP's retransmission timeout, as long as its sender lives: the
+        runtime's messages travel over TCP, which loses none -- dropping them here left an
+        averaging exchange waiting for its 90 s give-up (the calibration's Starlink node)."""
+        body = envelope.body
+
+        def lost() -> None:
+            if self.machines[i].node is not None and self.machines[i].generation == generation:
+                self.retransmits += 1
+                self.engine.after(RETRANSMIT_SECONDS, self._transmit, i, dst, envelope, size,
+                                  reply, generation)
+
         self.network.send(i, dst, size, lambda: self.deliver(dst, i, envelope),
-                          reply=send.reply, droppable=type(body) is GradientPush,
-                          bulk=isinstance(body, GOSSIP_BODIES))
+                          reply=reply, droppable=type(body) is GradientPush,
+                          bulk=isinstance(body, GOSSIP_BODIES), on_lost=lost)
 
     def deliver(self, dst: int, src: int, envelope) -> None:
         if self.machines[dst].node is None:
@@ -335,4 +353,5 @@ class GossipSim:
                 for k, v in mach.node.trainer.stats.items():
                     stats[k] = stats.get(k, 0) + v
         return {"gossip_stats": dict(sorted(stats.items())), "checkpoint_fetches": self.fetches,
+                "retransmits": self.retransmits,
                 "incarnations": sum(m.incarnation for m in self.machines)}
