@@ -103,12 +103,16 @@ async def fetch_base(session: aiohttp.ClientSession, addrs: list[str], signer: S
     size, chunk = doc["file"]["size"], doc["file"]["chunk_size"]
     hashes = doc["file"]["xxh3_64"]
     out_root.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out_root).free
-    if free < size:
-        raise FetchError(f"base {base_id} is {size / 1e9:.2f} GB, {out_root} has "
-                         f"{free / 1e9:.2f} GB free")
     tmp = out_root / f"{PARTIAL_PREFIX}base-{base_id}"  # kept when a fetch breaks off
     target = tmp / BASE_FILE
+    try:
+        there = target.stat().st_blocks * 512  # what a broken-off fetch wrote already
+    except OSError:
+        there = 0
+    free = shutil.disk_usage(out_root).free
+    if free + there < size:
+        raise FetchError(f"base {base_id} is {size / 1e9:.2f} GB, {out_root} has "
+                         f"{free / 1e9:.2f} GB free")
     tmp.mkdir(exist_ok=True)
     have = await asyncio.to_thread(_resume, target, size, chunk, hashes)
     if not have:
