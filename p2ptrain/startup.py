@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,7 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
     reporter.node_id = identity.node_id  # every log line names the node from here on
     corpus = load_corpus(settings.data.path, settings.data.holdout_fraction,
                          settings.model.ctx_len + 2)
-    model, hf_dir = model_for(settings, corpus)
+    model, hf_dir = model_for(settings, corpus, reporter)
     train = settings.train
     batch, accum = train.batch, train.accum or 1
     found = calibrate(state_dir) if batch == 0 or not alone else None
@@ -139,12 +140,13 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
     return Prepared(identity, learner, ckroot, hw, term)
 
 
-def model_for(settings: Settings, corpus: Corpus) -> tuple[Model, Path | None]:
+def model_for(settings: Settings, corpus: Corpus, reporter: Reporter | None = None
+              ) -> tuple[Model, Path | None]:
     """The model to train on `corpus`: the configured shape (a preset included) or that of
     the Hugging Face directory `model.init_from`, with the data's vocabulary; and that
     directory. The data must have been prepared with that directory's tokenizer."""
     if settings.train.mode == "lora":
-        return lora_model_for(settings, corpus), None
+        return lora_model_for(settings, corpus, reporter), None
     if not settings.init_from:
         return build_model(settings.model_name, replace(settings.model,
                                                         vocab_size=corpus.vocab_size)), None
@@ -171,9 +173,11 @@ def model_for(settings: Settings, corpus: Corpus) -> tuple[Model, Path | None]:
     return build_model("rwkv", config), hf_dir
 
 
-def lora_model_for(settings: Settings, corpus: Corpus) -> Model:
+def lora_model_for(settings: Settings, corpus: Corpus, reporter: Reporter | None = None
+                   ) -> Model:
     """LoRA mode: adapters on the base `lora.base` (or `model.init_from`) names, which must
-    have the data's vocabulary and tokenizer."""
+    have the data's vocabulary and tokenizer. The base is checked chunk by chunk (a line
+    every 5 s while that takes long: 2.6 GB from a Pi's SD card takes about half a minute)."""
     from p2ptrain.lora.basefile import BaseError
     from p2ptrain.lora.setup import lora_model, resolve_base
 
@@ -181,8 +185,17 @@ def lora_model_for(settings: Settings, corpus: Corpus) -> Model:
         raise UserError(f"train.mode lora adapts an rwkv base; model.name is "
                         f"{settings.model_name}")
     source = settings.lora.base or settings.init_from
+    said = [time.monotonic()]
+
+    def progress(done: int, total: int) -> None:
+        if reporter is not None and time.monotonic() - said[0] >= 5.0:
+            said[0] = time.monotonic()
+            reporter.info(f"checking the base: {done / 1e9:.2f} of {total / 1e9:.2f} GB",
+                          event="base_check", done=done, total=total)
+
     try:
-        base = resolve_base(source, settings.host.state_dir, settings.lora.base_dtype)
+        base = resolve_base(source, settings.host.state_dir, settings.lora.base_dtype,
+                            progress)
     except BaseError as exc:
         raise UserError(f"lora base: {exc}") from None
     shape = base.shape
