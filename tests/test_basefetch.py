@@ -6,7 +6,6 @@ and a real node that joins with only the base's id fetches it and trains."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import shutil
 from pathlib import Path
@@ -173,5 +172,3 @@ def test_a_node_with_only_the_base_id_fetches_it_and_trains(base, tmp_path):
         assert fetched.id == base.id
         assert (fetched.path / BASE_FILE).read_bytes() == (base.path / BASE_FILE).read_bytes()
         assert joiner.status()["members"] and all(p.alive() for p in [*holders, joiner])
-        with contextlib.suppress(Exception):
-            lab.stop_all()

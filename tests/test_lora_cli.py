@@ -78,7 +78,8 @@ def test_the_checkpoint_holds_adapters_and_names_the_base(runs):
         checkpoint.list_checkpoints(tmp / "full" / "checkpoints")[0]).arch)
     adapters = model_of_arch(manifest.arch, [tmp / "lora" / "bases"])
     assert adapters.space.n_params == 20 * 4 * 32 * 2  # 20 r C per block
-    assert (ckpt / "model.safetensors").stat().st_size < full.space.n_params * 4 / 4
+    # adapters only: under a quarter of the full model's float32 bytes
+    assert (ckpt / "model.safetensors").stat().st_size < full.space.n_params
 
 
 def test_the_base_file_never_changes(runs, tmp_path):

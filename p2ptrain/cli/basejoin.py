@@ -56,9 +56,10 @@ def fetch_missing_base(settings, swarm, peers: list[str], timeout: float, mdns: 
                     sources += [m["addr"] for m in doc.get("members", [])
                                 if isinstance(m, dict) and isinstance(m.get("addr"), str)
                                 and m.get("state") == "alive" and not m.get("outbound_only")]
-                except (aiohttp.ClientError, OSError, TimeoutError, UserError) as exc:
-                    problems.append(explain(exc, addr) if isinstance(exc, OSError | aiohttp.
-                                                                      ClientError) else str(exc))
+                except UserError as exc:
+                    problems.append(str(exc))
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    problems.append(explain(exc, addr))
                 bar = FetchProgress(f"base {base_id}", say=lambda t: print(t, file=sys.stderr))
                 try:
                     return await fetch_base(session, sources, signer, base_id, root,

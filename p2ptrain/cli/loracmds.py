@@ -64,6 +64,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from p2ptrain.errors import UserError
     from p2ptrain.identity import Identity, node_id_of
     from p2ptrain.models import fingerprint
+    from p2ptrain.models.rwkv import RWKV
 
     path, manifest = resolve_checkpoint(Path(args.adapters).expanduser())
     model = model_of_checkpoint(path, manifest, args.base)
@@ -90,8 +91,6 @@ def cmd_merge(args: argparse.Namespace) -> int:
     tensors = [(s.name, Deferred("F32", s.shape, merged(s.name))) for s in full]
     tok_json = model.base.metadata.get(checkpoint.TOKENIZER_META_KEY)
     tok_id = "bytes" if tok_json is None else hashlib.sha256(tok_json.encode()).hexdigest()[:16]
-    from p2ptrain.models.rwkv import RWKV
-
     plain = RWKV(model.config)
     snap = checkpoint.Snapshot(
         step=manifest.step, term=manifest.term, swarm_count=dict(manifest.swarm_count),

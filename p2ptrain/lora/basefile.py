@@ -33,6 +33,7 @@ from p2ptrain.checkpoint.safetensors_io import (
     write_safetensors,
 )
 from p2ptrain.checkpoint.store import TOKENIZER_META_KEY, chunk_size_for
+from p2ptrain.codecs.kernels import f32_to_bf16_bits
 from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
 from p2ptrain.models.frozen import FrozenBase
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
@@ -171,8 +172,8 @@ def verify_base(base: Base, progress: Callable[[int, int], None] | None = None) 
 
 
 def narrowed(src: np.ndarray, dtype: str) -> Deferred:
-    """src (float32, any strides) narrowed to `dtype` when the writer reaches it; bf16 rounds
-    to nearest even."""
+    """src (float32, any strides) narrowed to `dtype` when the writer reaches it; bf16 by the
+    codecs' kernel (round to nearest, in blocks)."""
     def make() -> np.ndarray:
         if dtype == "F32":
             return np.ascontiguousarray(src, np.float32)
@@ -183,9 +184,9 @@ def narrowed(src: np.ndarray, dtype: str) -> Deferred:
                 except FloatingPointError:
                     raise BaseError("a weight exceeds fp16's range; write the base as "
                                     "bf16") from None
-        bits = np.ascontiguousarray(src, np.float32).view(np.uint32)
-        rounded = bits + (0x7FFF + ((bits >> 16) & 1)).astype(np.uint32)
-        return (rounded >> 16).astype(np.uint16)
+        out = np.empty(src.shape, np.uint16)
+        f32_to_bf16_bits(np.ascontiguousarray(src, np.float32).reshape(-1), out.reshape(-1))
+        return out
     return Deferred(dtype, tuple(src.shape), make)
 
 

@@ -45,8 +45,8 @@ def find_base(base_id: str, roots: list[Path]) -> Base:
     """The base `base_id` in the first of `roots` that holds it, or is it (BaseMissing: none
     does)."""
     for root in roots:
-        if is_base_dir(root) and read_base(root).id == base_id:
-            return read_base(root)
+        if is_base_dir(root) and (given := read_base(root)).id == base_id:
+            return given
         if is_base_dir(root / base_id):
             base = read_base(root / base_id)
             if base.id != base_id:

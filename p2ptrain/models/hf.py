@@ -40,6 +40,7 @@ from p2ptrain.checkpoint.safetensors_io import (
     write_safetensors,
 )
 from p2ptrain.fsutil import fsync_dir
+from p2ptrain.models.frozen import widen
 from p2ptrain.models.rwkv import LN_EPS, RWKV, RWKVConfig
 
 CONFIG_FILE = "config.json"
@@ -241,14 +242,6 @@ def _check_entry(file: str, name: str, entry: dict, pair: TensorPair) -> None:
                             f"the config needs {list(pair.hf_shape)}")
 
 
-def _widen_into(raw: np.ndarray, dtype: str, dest: np.ndarray) -> None:
-    """dest (float32, contiguous) = raw, already in dest's shape, widened from `dtype`."""
-    if dtype == "BF16":  # the 16 bits are a float32's top half
-        np.left_shift(raw, 16, out=dest.view(np.uint32), dtype=np.uint32)
-    else:
-        np.copyto(dest, raw, casting="same_kind")
-
-
 def load_hf(hf_dir: str | os.PathLike, wkv_chunk: int = RWKVConfig.wkv_chunk,
             into: np.ndarray | None = None) -> tuple[RWKVConfig, np.ndarray]:
     """The config and the flat float32 parameters (our ParamSpace) of an HF RWKV-4 directory
@@ -309,8 +302,7 @@ def load_hf(hf_dir: str | os.PathLike, wkv_chunk: int = RWKVConfig.wkv_chunk,
                 except SafetensorsError as exc:
                     raise HFFormatError(f"{file}: {exc}") from None
                 if not direct:
-                    _widen_into(raw.T if pair.transposed else raw.reshape(dest.shape),
-                                dtype, dest)
+                    widen(raw.T if pair.transposed else raw.reshape(dest.shape), dtype, dest)
                 if not np.isfinite(dest).all():
                     raise HFFormatError(f"{file}: tensor {name} holds NaN or infinite values")
     if HEAD not in seen:  # tied: the head is the embedding table
