@@ -21,7 +21,9 @@ a NATed site are also given the wired machines of the other sites as static seed
 
 Churn (the scenario's failure schedule, a leader kill, partitions between sites) is applied
 at its times. Held-out loss of every live replica is measured every `eval_every` simulated
-seconds, with the consensus distance. Pure: no clock, no sockets, seeds only.
+seconds, with the consensus distance and the leader's replica (the deliverable: the time to
+target is when it reaches the target; the mean's time is kept beside it). Pure: no clock, no
+sockets, seeds only.
 """
 
 from __future__ import annotations
@@ -296,11 +298,21 @@ class GossipSim:
         joined = [m for m in up if m.node.phase != "joining"]
         return joined or up
 
-    def evaluate(self) -> None:
+    def measure(self) -> None:
+        """One evaluation: every live replica's held-out loss, their consensus distance, and
+        the deliverable -- the replica of the leader (the highest term's, if two claim), whose
+        checkpoints are what a user takes away; while no live replica leads, the mean."""
         live = self.live()
         losses = [self.training.heldout_loss(m.node.learner.params) for m in live]
         distance = consensus_distance([m.node.learner.params for m in live]) if live else None
-        self.recorder.point(self.engine.now, losses, distance)
+        leaders = [(m.node.control.term, m.member.index, loss)
+                   for m, loss in zip(live, losses, strict=True) if m.node.is_leader]
+        self.recorder.point(self.engine.now, losses, distance,
+                            max(leaders)[2] if leaders else None)
+
+    def evaluate(self) -> None:
+        self.measure()
+        live = self.live()
         if live and all(m.node.phase in ("finished", "stopped") for m in live):
             self.recorder.ended_at = self.engine.now
             self.engine.stop()
@@ -340,11 +352,7 @@ class GossipSim:
 
     def evaluate_final(self) -> None:
         if not self.recorder.curve or self.recorder.curve[-1][0] != self.engine.now:
-            live = self.live()
-            self.recorder.point(self.engine.now,
-                                [self.training.heldout_loss(m.node.learner.params) for m in live],
-                                consensus_distance([m.node.learner.params for m in live])
-                                if live else None)
+            self.measure()
 
     def summary(self) -> dict:
         stats: dict[str, int] = {}

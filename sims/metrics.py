@@ -2,12 +2,15 @@
 time, time to the target loss, samples and steps, bytes per node and per message kind, link
 utilisation, consensus distance.
 
-A method calls `Recorder.point(t, losses, distance)` at every evaluation (one loss per live
-replica: the mean is the curve, the worst is kept too) and counts steps and bytes as it
-goes; `Recorder.result(world, until)` turns it into a plain dict for results.json. Time to
-target is the first evaluation at which the mean replica loss is at or below the target
-(so its resolution is the scenario's `eval_every`); with `stop` set (the scenario's
-`stop_at_target`), that evaluation also ends the run. Numbers are rounded to 6 significant
+A method calls `Recorder.point(t, losses, distance, deliverable)` at every evaluation (one
+loss per live replica: the mean is the curve, the worst is kept too; `deliverable` is the
+loss of the model a user takes away -- gossip's leader's replica, which writes the swarm's
+checkpoints; a method with one model passes none, its mean is that model) and counts steps
+and bytes as it goes; `Recorder.result(world, until)` turns it into a plain dict for
+results.json. Time to target is the first evaluation at which the deliverable's loss is at
+or below the target, `mean_time_to_target` the same for the mean over replicas (their
+resolution is the scenario's `eval_every`); with `stop` set (the scenario's
+`stop_at_target`), the deliverable's reaching it ends the run. Numbers are rounded to 6 significant
 digits so results.json stays readable; the same run gives the same bytes. Pure.
 """
 
@@ -38,8 +41,10 @@ class Recorder:
     def __init__(self, name: str, kind: str, params: dict, target: float | None):
         self.name, self.kind, self.params = name, kind, dict(params)
         self.target = target
-        self.curve: list[list[float | None]] = []  # [t, mean loss, worst loss, distance, samples]
-        self.reached_at: float | None = None
+        # [t, mean loss, worst loss, distance, samples, deliverable's loss]
+        self.curve: list[list[float | None]] = []
+        self.reached_at: float | None = None  # the deliverable at the target
+        self.mean_reached_at: float | None = None  # the mean over replicas at the target
         self.steps = 0  # optimiser steps taken (all nodes)
         self.samples = 0  # samples whose gradient was computed (all nodes)
         self.applied_samples = 0  # samples that reached the model (coordinator: accepted)
@@ -53,31 +58,41 @@ class Recorder:
         self.kind_bytes[kind] += size
         self.kind_count[kind] += 1
 
-    def point(self, t: float, losses: list[float], distance: float | None = None) -> None:
+    def point(self, t: float, losses: list[float], distance: float | None = None,
+              deliverable: float | None = None) -> None:
         if not losses:
-            self.curve.append([sig(t), None, None, sig(distance), self.samples])
+            self.curve.append([sig(t), None, None, sig(distance), self.samples, None])
             return
         mean = sum(losses) / len(losses)
-        self.curve.append([sig(t), sig(mean), sig(max(losses)), sig(distance), self.samples])
-        if self.reached_at is None and self.target is not None and mean <= self.target:
+        taken = mean if deliverable is None else deliverable
+        self.curve.append([sig(t), sig(mean), sig(max(losses)), sig(distance), self.samples,
+                           sig(taken)])
+        if self.target is None:
+            return
+        if self.mean_reached_at is None and mean <= self.target:
+            self.mean_reached_at = t
+        if self.reached_at is None and taken <= self.target:
             self.reached_at = t
             if self.stop is not None:
                 self.ended_at = t
                 self.stop()
 
     def final(self) -> tuple[float | None, float | None, float | None]:
-        """(mean loss, worst loss, distance) of the last evaluation that had replicas."""
-        for _t, mean, worst, dist, _ in reversed(self.curve):
+        """(mean loss, worst loss, distance, deliverable's loss) of the last evaluation that
+        had replicas."""
+        for _t, mean, worst, dist, _, taken in reversed(self.curve):
             if mean is not None:
-                return mean, worst, dist
-        return None, None, None
+                return mean, worst, dist, taken
+        return None, None, None, None
 
     def result(self, world: World | None, until: float) -> dict[str, Any]:
-        mean, worst, dist = self.final()
+        mean, worst, dist, taken = self.final()
         out: dict[str, Any] = {
             "name": self.name, "kind": self.kind, "params": self.params,
-            "time_to_target": sig(self.reached_at), "final_loss": mean,
-            "final_worst_loss": worst, "consensus_distance": dist,
+            "time_to_target": sig(self.reached_at),
+            "mean_time_to_target": sig(self.mean_reached_at), "final_loss": mean,
+            "final_worst_loss": worst, "final_deliverable_loss": taken,
+            "consensus_distance": dist,
             "simulated_seconds": sig(until),
             "ended_at": sig(self.ended_at if self.ended_at is not None else until),
             "steps": self.steps, "samples": self.samples,

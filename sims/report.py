@@ -43,14 +43,21 @@ def markdown(results: dict[str, Any]) -> str:
     target = results.get("target_loss")
     lines = [f"Scenario `{results['scenario']}`, seed {results['seed']}: target held-out "
              f"loss {target} nats/char, at most {results['duration']:g} simulated s.", "",
-             "| method | time to target | final loss (worst) | samples/s | bytes/node median "
-             "/ max | bytes/node/step | busiest link (utilisation) | consensus distance |",
+             "| method | time to target (mean replica's) | final loss: deliverable; mean "
+             "(worst) | samples/s | bytes/node median / max | bytes/node/step | busiest link "
+             "(utilisation) | consensus distance |",
              "|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in results["methods"]:
         final = (f"{r['final_loss']:.3f} ({r['final_worst_loss']:.3f})"
                  if r.get("final_loss") is not None else "–")
+        taken = r.get("final_deliverable_loss")
+        if taken is not None and r.get("final_loss") is not None:
+            final = f"{taken:.3f}; {final}"
+        reach = _time(r.get("time_to_target"))
+        if r.get("mean_time_to_target") != r.get("time_to_target"):
+            reach += f" ({_time(r.get('mean_time_to_target'))})"
         lines.append(
-            f"| {r['name']} | {_time(r.get('time_to_target'))} | {final} | "
+            f"| {r['name']} | {reach} | {final} | "
             f"{_num(r.get('samples_per_second'), '{:.0f}')} | "
             f"{_bytes(r.get('bytes_per_node_median'))} / {_bytes(r.get('bytes_per_node_max'))} | "
             f"{_bytes(r.get('bytes_per_node_step'))} | {r.get('busiest_link', '–')} "
@@ -211,7 +218,8 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         return [f"plots: {', '.join(written)}"]
     fig, ax = plt.subplots(figsize=(9.6, 4.4))
     for r in results["methods"]:
-        pts = [(t, loss) for t, loss, *_ in r["curve"] if loss is not None]
+        pts = [(p[0], p[5] if len(p) > 5 and p[5] is not None else p[1]) for p in r["curve"]
+               if p[1] is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=r["name"])
     if results.get("target_loss") is not None:
@@ -220,7 +228,7 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         lows = [loss for r in results["methods"] for _, loss, *_ in r["curve"] if loss]
         ax.set_ylim(min(lows + [target]) - 0.1, target + 1.0)  # the race near the target
     ax.set_xlabel("simulated seconds")
-    ax.set_ylabel("held-out loss, nats/char (mean over replicas)")
+    ax.set_ylabel("held-out loss, nats/char (gossip: the leader's replica)")
     ax.set_title(f"{name}: loss vs simulated time")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -252,7 +260,8 @@ def seeds_table(runs: list[dict[str, Any]]) -> str:
     the median (over the seeds that reached it; "not reached" unless most did), the swarm
     samples computed by then, and the median time of the scenario's `solo` method (the best
     single machine) and of its first coordinator over the method's (> 1: the method is
-    faster). A seed that did not reach the target counts as its run's length."""
+    faster). A seed that did not reach the target counts as its run's length. Times are the
+    deliverable's (gossip: the leader's replica); the mean replica's follow where they differ."""
     by_scenario: dict[str, list[dict[str, Any]]] = {}
     for res in sorted(runs, key=lambda res: res["seed"]):
         by_scenario.setdefault(res["scenario"], []).append(res)
@@ -283,6 +292,10 @@ def seeds_table(runs: list[dict[str, Any]]) -> str:
             samples = [s for r in rs for s in [_samples_at(r, r["time_to_target"])]
                        if s is not None]
             per_seed = " / ".join(_time(r["time_to_target"]) for r in rs)
+            if any(r.get("mean_time_to_target", r["time_to_target"]) != r["time_to_target"]
+                   for r in rs):  # gossip: the leader's replica, then the mean replica's
+                per_seed += " (mean replica: " + " / ".join(
+                    _time(r.get("mean_time_to_target")) for r in rs) + ")"
             lines.append(_row(
                 name, model, method, f"{per_seed} (seeds {', '.join(map(str, seeds))})",
                 _time(med), f"{_median(samples):,.0f}" if samples and med is not None else "–",

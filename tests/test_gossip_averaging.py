@@ -11,6 +11,7 @@ from p2ptrain.proto.gossip.averaging import (
     AVERAGING_MODES,
     AveragingPlan,
     ParameterAverager,
+    pull_share,
     read_snapshot,
 )
 from tests.test_gossip_mixer import reseal
@@ -232,3 +233,31 @@ def test_an_exchange_in_parts_preserves_the_sum_and_meets_like_one_message(mode)
     np.testing.assert_allclose(xa.astype(np.float64) + xb, total, rtol=0, atol=2e-5)
     with pytest.raises(ValueError):
         plan.part_range(seed, parts)  # no part past the end
+
+
+def test_rate_weighted_pull_moves_the_slow_replica_and_keeps_the_weighted_mean():
+    """With `gossip.average_pull_max` above 1/2 each side moves by its peer's share of the
+    pair's sample rates: a replica 9x slower goes 90% of the way, the fast one 10%, and the
+    rate-weighted mean of the pair stays where it was."""
+    assert pull_share(1.0, 9.0, 0.5) == 0.5  # plain averaging: the default
+    assert pull_share(None, 9.0, 0.95) == 0.5 and pull_share(1.0, None, 0.95) == 0.5
+    assert pull_share(0.0, 0.0, 0.95) == 0.5  # nothing measured to weigh by
+    assert pull_share(1.0, 9.0, 0.95) == pytest.approx(0.9)
+    assert pull_share(9.0, 1.0, 0.95) == pytest.approx(0.1)
+    assert pull_share(1.0, 1e9, 0.95) == 0.95 and pull_share(1e9, 1.0, 0.95) == pytest.approx(
+        0.05)  # a forged rate moves an honest replica no more than the clamp
+    av_a, av_b = pair("full")
+    slow, fast = params(1), params(2)
+    weighted = (1.0 * slow.astype(np.float64) + 9.0 * fast) / 10
+    av_a.begin(slow, 5)  # both sides snapshot, the snapshots cross, each moves by its pull
+    av_b.begin(fast, 5)
+    to_b, to_a = list(av_a.messages(A_ID, 100)), list(av_b.messages(B_ID, 200))
+    av_a.finish(slow, to_a, pull=pull_share(1.0, 9.0, 0.95))
+    av_b.finish(fast, to_b, pull=pull_share(9.0, 1.0, 0.95))
+    np.testing.assert_allclose(slow, 0.1 * params(1) + 0.9 * params(2), atol=1e-5)
+    np.testing.assert_allclose(fast, 0.9 * params(2) + 0.1 * params(1), atol=1e-5)
+    np.testing.assert_allclose((1.0 * slow + 9.0 * fast) / 10, weighted, atol=1e-5)
+    av_a.begin(slow, 6)
+    with pytest.raises(ValueError):  # a pull outside (0, 1) is a local error
+        av_a.finish(slow, list(av_b.respond(fast, list(av_a.messages(A_ID, 1)), B_ID, 1)[1]),
+                    pull=1.0)

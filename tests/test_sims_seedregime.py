@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sims import report, run
+from sims import metrics, report, run
 from sims.charge import ModelSize
 from sims.scenario import ScenarioError, load, read
 
@@ -48,7 +48,28 @@ def test_stop_at_target_ends_each_run_there():
         r = run.run_method(ci, method, 1)
         t = r["time_to_target"]
         assert t is not None and r["ended_at"] == t == r["simulated_seconds"]
-        assert r["curve"][-1][0] == t and r["curve"][-1][1] <= ci.target_loss
+        assert r["curve"][-1][0] == t and r["curve"][-1][5] <= ci.target_loss
+        assert r["final_deliverable_loss"] <= ci.target_loss
+        # the mean over replicas is kept beside the deliverable, and reaches no sooner
+        mean_t = r["mean_time_to_target"]
+        assert (mean_t is None and r["curve"][-1][1] > ci.target_loss) or mean_t == t
+
+
+def test_gossip_time_to_target_is_the_leaders_replica():
+    """Gossip's deliverable is the leader's replica (its checkpoints are what a user takes):
+    the recorder's time to target follows it, and the mean over replicas is kept beside."""
+    rec = metrics.Recorder("g", "gossip", {}, target=2.0)
+    rec.point(0.0, [5.0, 5.0], None, 5.0)
+    rec.point(10.0, [1.9, 3.0], 0.1, 1.9)  # the leader is there, the mean (2.45) is not
+    rec.point(20.0, [1.8, 2.1], 0.1, 1.8)  # now the mean is too (1.95)
+    rec.point(30.0, [1.7, 2.0], 0.1, None)  # no live leader: the mean stands in
+    r = rec.result(None, 30.0)
+    assert r["time_to_target"] == 10.0 and r["mean_time_to_target"] == 20.0
+    assert r["final_deliverable_loss"] == 1.85 and r["final_loss"] == 1.85
+    assert [p[5] for p in r["curve"]] == [5.0, 1.9, 1.8, 1.85]
+    one = metrics.Recorder("solo", "solo", {}, target=2.0)
+    one.point(5.0, [1.5])
+    assert one.result(None, 5.0)["time_to_target"] == 5.0 == one.mean_reached_at
 
 
 def _result(seed, rows):

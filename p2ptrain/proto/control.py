@@ -160,6 +160,10 @@ class Control:
         allow (membership/samples.py). Spends the allowance: merge what it returns."""
         return self.membership.admit_samples(counts, self.now)
 
+    def sample_rate(self, node_id: str) -> float | None:
+        """`node_id`'s sample rate as this node observed its entry grow (None: not yet)."""
+        return self.membership.sample_guard.rate(node_id, self.now)
+
     def baseline_samples(self, counts: dict[str, int]) -> None:
         """This node's starting G-counter (its resume checkpoint, or the one its driver
         started it from): admitted whole, the base later reports are bounded against."""

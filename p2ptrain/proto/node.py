@@ -163,6 +163,7 @@ class Node:
                                      np.random.default_rng(rng.getrandbits(64)),
                                      average_timeout=config.average_timeout,
                                      chunk_elems=config.chunk_elems)
+        self.trainer.rate_of = self.control.sample_rate  # averaging weights (pull_share)
         # joining: averaging requests are declined (no peer is pulled toward weights this node
         # may be about to drop) and nothing received moves the learner's counters or weights
         self.join = Join(now=now, own_samples=learner.count.total,
@@ -305,8 +306,7 @@ class Node:
         return member[2].addr
 
     def _time_ping(self, now: float, target: str, seq: int) -> None:
-        """Remember when a direct probe left, to time its ack (the RTT in status and in the
-        choice of push targets)."""
+        """Remember when a direct probe left, to time its ack (RTT: status, push targets)."""
         self._pings[(target, seq)] = now
         if len(self._pings) > MAX_PINGS_TIMED:
             del self._pings[next(iter(self._pings))]

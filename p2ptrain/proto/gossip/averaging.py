@@ -4,7 +4,8 @@ Each side snapshots the covered coordinates of its parameters, the snapshots cro
 side applies `(x_peer - x_self) / 2`, computed from the two *snapshots*, to its *current*
 parameters: local steps taken while the exchange was in flight are kept, and because the two
 sides add exactly opposite float32 values (`fl(a - b) == -fl(b - a)`, halving is exact), the
-pair's sum is preserved up to the rounding of the final additions. With fp16 values a side
+pair's sum is preserved up to the rounding of the final additions. (Weighted by sample rates,
+`pull_share`, each side moves by its peer's share instead.) With fp16 values a side
 rounds its own snapshot through the codec exactly as the peer will decode it, so both work
 from the same two rounded snapshots. A subset exchange covers a seeded stratified choice of
 runs of `block` consecutive coordinates; both sides derive it from the exchange's seed (carried
@@ -337,12 +338,14 @@ class ParameterAverager:
         return math.sqrt(sq / m) if m else 0.0
 
     def finish(self, params: np.ndarray, peer: PeerSnapshot | Iterable[Any],
-               held: HeldDeltas | None = None) -> AveragingReport:
-        """Apply (x_peer - x_self)/2 from the two snapshots to the current `params` (or keep
-        it in `held`, to be added later) and close the exchange. CodecError (exchange closed,
-        params untouched) if the peer's snapshot is malformed, covers other coordinates, or
-        is farther than `max_distance`."""
+               held: HeldDeltas | None = None, pull: float = 0.5) -> AveragingReport:
+        """Apply pull * (x_peer - x_self) (pairwise averaging: 1/2) from the two snapshots to
+        the current `params` (or keep it in `held`, to be added later) and close the exchange.
+        CodecError (exchange closed, params untouched) if the peer's snapshot is malformed,
+        covers other coordinates, or is farther than `max_distance`."""
         self._check_params(params)
+        if not 0.0 < pull < 1.0:
+            raise ValueError(f"pull must be in (0, 1), got {pull}")
         if self._seed is None:
             raise RuntimeError("no averaging exchange is open")
         m, diff = self._m, self._snap[: self._m]
@@ -365,7 +368,7 @@ class ParameterAverager:
         except CodecError:
             self.abort()
             raise
-        diff *= np.float32(-0.5)  # now (peer - mine) / 2: exact
+        diff *= np.float32(-pull)  # now (peer - mine) * pull; exact for 1/2
         if held is not None:
             held.add(self._runs, self._lo, diff)
         else:
@@ -413,6 +416,18 @@ class ParameterAverager:
         if tail:
             self._snap[k * b : k * b + tail] = params[self.plan.n - tail :]
         return k * b + tail
+
+
+def pull_share(mine: float | None, theirs: float | None, most: float) -> float:
+    """How far a replica moves toward a peer's in one exchange: the peer's share of the pair's
+    sample rates (`mine`, `theirs`: samples/s as observed; None: not yet), clamped to
+    [1 - most, most]; 1/2 (plain averaging) when `most` is 1/2 or a rate is unknown. Both
+    sides computing it from their own observations move the pair's rate-weighted mean little,
+    and a slow replica (a Pi's) is pulled most of the way to a fast one (a server's) while
+    the fast one keeps its progress."""
+    if most <= 0.5 or mine is None or theirs is None or not mine + theirs > 0:
+        return 0.5
+    return min(most, max(1.0 - most, theirs / (mine + theirs)))
 
 
 def consensus_distance(replicas: Sequence[np.ndarray]) -> float:

@@ -42,6 +42,11 @@ class GossipConfig:
                                     "covers", minimum=0)
     average_part: int = option(DEFAULT_PART, "coordinates per averaging message: a big "
                                "model's exchange travels as parts of this size", minimum=1024)
+    average_pull_max: float = option(
+        0.5, "how far a replica moves toward a peer's in an averaging exchange, at most: 0.5 "
+        "is plain pairwise averaging; above, each side moves by the peer's share of the "
+        "pair's observed sample rates (a slow replica follows a fast one), clamped to "
+        "[1 - this, this]", minimum=0.5)
     # 5 s: the 32,768 swarm samples this bound was before (issue 17) at the seed fleet's
     # ~6,700 samples/s; seconds hold across model sizes, where a count of samples does not
     # (at 1B parameters the same fleet makes a few samples per second)
@@ -142,6 +147,7 @@ class GossipConfig:
             "averaging": self.averaging in AVERAGING_MODES,
             "subset_fraction": 0.0 < self.subset_fraction <= 1.0,
             "average_part": self.average_part >= 1,
+            "average_pull_max": 0.5 <= self.average_pull_max < 1,
             "outer_every": self.outer_every >= 0,
             "outer_lr": 0 < self.outer_lr <= 4,
             "outer_momentum": 0 <= self.outer_momentum <= 1,

@@ -5,7 +5,8 @@ After each local step (`step`): encode the own gradient (with error feedback), p
 `fanout` peers the caller found eligible (chosen by `PeerTable`, favouring fast links), mix it
 with the peer gradients queued since the last step (`GradientMixer`: sample-count weights,
 staleness in swarm samples, median-norm clipping), apply AdamW (`learner.apply_gradient`),
-and every `average_every` steps open a push-pull averaging exchange with one peer.
+and every `average_every` steps open a push-pull averaging exchange with one peer (moving
+by `pull_share` of the two nodes' sample rates, as `rate_of` -- the node's -- observes them).
 
 Inbound bodies are parsed and checked completely (`parse`: framing, checksum, model length,
 the sender named in the chunks is the header's sender, values decode and are finite) before
@@ -30,17 +31,16 @@ the next one waits longer. No part is sent once the exchange has run `average_ti
 
 Outbound-only peers: nobody may connect to them, so they are never push targets or averaging
 partners; they start exchanges themselves, and a push from one is answered with this node's
-latest gradient (`GradientReply`, sent in the response), once per own step.
-
-This file never does I/O, never reads the clock (times are passed in) and draws randomness
-only from the generator it is given.
+latest gradient (`GradientReply`, sent in the response), once per own step. This file never
+does I/O, never reads the clock (times are passed in) and draws randomness only from the
+generator it is given.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -48,11 +48,11 @@ import numpy as np
 
 from p2ptrain.codecs import CodecError, Message, parse_message
 from p2ptrain.proto.gossip.averaging import (
-    AveragingPlan,
     AveragingReport,
     HeldDeltas,
     ParameterAverager,
     PeerSnapshot,
+    pull_share,
     read_snapshot,
 )
 from p2ptrain.proto.gossip.config import GossipConfig
@@ -80,11 +80,6 @@ def held_capacity(n: int) -> int:
     """Coordinates of averaging half steps a node of n parameters holds while a step is
     outstanding (one part more when its own exchange's reply lands on a full store)."""
     return max(n // HELD_SHARE, HELD_FLOOR)
-
-
-def covered(plan: AveragingPlan, seed: int) -> int:
-    """Coordinates the exchange `seed` covers under `plan`, all parts together."""
-    return plan.covered(seed)
 
 
 @dataclass(slots=True)
@@ -147,6 +142,7 @@ class GossipTrainer:
         self.distance: float | None = None  # consensus distance of the last exchange (RMS)
         self.last_mix: MixReport | None = None
         self.stats: Counter[str] = Counter()
+        self.rate_of: Callable[[str], float | None] = lambda node_id: None  # samples/s seen
         self._seed_base = int(rng.integers(0, 2**62))
 
     # -- inbound ------------------------------------------------------------------------------
@@ -294,8 +290,10 @@ class GossipTrainer:
         """Close `averager`'s exchange: its half step goes to the parameters, or, while a step
         is outstanding, into the held half steps."""
         try:
-            report: AveragingReport = averager.finish(self.learner.params, snap,
-                                                      self.held if busy else None)
+            report: AveragingReport = averager.finish(
+                self.learner.params, snap, self.held if busy else None, pull_share(
+                    self.rate_of(self.node_id), self.rate_of(snap.sender.hex()),
+                    self.config.average_pull_max))
         except CodecError:  # too far apart (max_distance): refused, nothing applied
             self.stats["average_refused"] += 1
             return

@@ -99,6 +99,12 @@ class SampleGuard:
             out[node_id] = n
         return out
 
+    def rate(self, node_id: str, now: float) -> float | None:
+        """`node_id`'s observed sample rate (admitted growth per second since first seen; so
+        bounded like its entry), None until it has been watched `RATE_WINDOW` seconds."""
+        e = self.entries.get(node_id)
+        return None if e is None else self._observed(e, now)
+
     # -- internals ----------------------------------------------------------------------------
 
     def _entry(self, node_id: str, now: float) -> _Entry:
