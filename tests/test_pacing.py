@@ -4,7 +4,8 @@ A real outbox posts to a real node server (aiohttp on 127.0.0.1, port 0) whose h
 records when each message arrives. Two gradient pushes of 1.5 MiB go out through an upload
 cap of 8 Mbit/s (about 3 s of pacing); meanwhile heartbeats are sent every 0.1 s. The
 figure is a ratio: the worst heartbeat's delay (send -> delivered to the node) against the
-time the bulk bodies took, so the test does not depend on how fast this machine is.
+time the bulk bodies took, so the test does not depend on how fast this machine is. The
+outbox's count of what it sent by kind (`sent_by_kind`) is checked against the frames' sizes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket, paced
 from p2ptrain.net.server import Served, build_app, listen
-from p2ptrain.proto import Send
+from p2ptrain.proto import Send, wire
 from p2ptrain.proto.gossip.messages import GradientPush
 from p2ptrain.proto.messages import PROTOCOL_VERSION, Envelope, Header, Heartbeat
 from p2ptrain.proto.node import NodeConfig
@@ -113,6 +114,12 @@ async def scenario(tmp: Path) -> tuple[float, float, list[float]]:
             kind == "Heartbeat" for kind, _, _ in host.arrivals) == len(sent), 30)
         delays = [t - sent[tag] for kind, tag, t in host.arrivals if kind == "Heartbeat"]
         assert outbox.stats.get("failed", 0) == 0, (outbox.stats, outbox.last_error)
+        pushes = [push(beat) for beat in (2, 10, 11)]  # every body went over HTTP: counted
+        assert outbox.sent.document() == {  # exactly, whole frames and their chunk tails
+            "GradientPush": {"messages": 3, "bytes": sum(len(wire.encode(e)) for e in pushes),
+                             "chunk_bytes": sum(len(e.body.chunk) for e in pushes)},
+            "Heartbeat": {"messages": 1 + len(sent), "chunk_bytes": 0, "bytes": sum(
+                len(wire.encode(envelope(b, Heartbeat()))) for b in (1, *sent))}}
         return bulk_time, max(delays), delays
     finally:
         await outbox.close()

@@ -43,7 +43,10 @@ def test_binary_fields_travel_in_the_tail():
     env = Envelope(header(), Blobby("g", b"\x00\xff" * 100, b"", (0.5, 1.0)))
     data = wire.encode(env)
     assert data.endswith(b"\x00\xff" * 100)
+    assert wire.peek_tail_size(data) == 200 and wire.peek_type(data) is Blobby
     assert wire.decode(data) == env
+    with pytest.raises(RemoteProtocolError):
+        wire.peek_tail_size(data[1:])
 
 
 def test_registry_refuses_duplicates_and_unsupported_fields():

@@ -12,7 +12,9 @@ refuses a request as not meant for it (401: it restarted, or another node took t
 it says hello again and, if someone else answers, sends the message once more. Control bodies
 use the upload cap's control lane (pacing.py). Refusals of our MAC (HTTP 401 without a
 response MAC) go to a `RefusalWatch` (refusals.py), which ends the node when every peer
-refuses its swarm key. A driver: it does I/O and never decides anything else.
+refuses its swarm key. Every body this node sends is encoded here -- requests, and the reply
+frames the server puts in its responses (`encode_replies`) -- and counted by kind as it goes
+over HTTP (sent.py). A driver: it does I/O and never decides anything else.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from p2ptrain.net.hello import HelloError, HelloRefused, Receivers
 from p2ptrain.net.pacing import TokenBucket, paced
 from p2ptrain.net.refusals import RefusalWatch
 from p2ptrain.net.routes import MAX_REPLY, read_limited, route_of
+from p2ptrain.net.sent import SentByKind
 from p2ptrain.proto import RemoteProtocolError, Send, wire
 
 if TYPE_CHECKING:
@@ -88,6 +91,7 @@ class Outbox:
         self.in_flight: Counter[str] = Counter()  # bulk requests per address
         self.failures: Counter[str] = Counter()  # failed requests per address
         self.stats: Counter[str] = Counter()
+        self.sent = SentByKind()  # bodies that went over HTTP, by message kind
         self.tasks: set[asyncio.Task] = set()
         self.last_error: dict[str, str] = {}
         self.receivers = Receivers(lambda: self.control_session, lambda: self.signer)
@@ -111,6 +115,13 @@ class Outbox:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    def encode_replies(self, replies: list[Send]) -> list[bytes]:
+        """The frames of the replies a response carries (counted as sent)."""
+        frames = [wire.encode(send.envelope) for send in replies]
+        for frame in frames:
+            self.sent.add(frame)
+        return frames
+
     async def _post(self, addr: str, route: str, data: bytes, bulk: bool) -> None:
         timeout = aiohttp.ClientTimeout(
             total=self.average_timeout if route == "/v1/average" else
@@ -125,6 +136,7 @@ class Outbox:
                 body_iter = paced(data, self.bucket, control=not bulk)  # control: its own lane
                 async with session.post(f"http://{addr}{route}", data=body_iter,
                                         headers=headers, timeout=timeout) as resp:
+                    self.sent.add(data)  # answered: the body went over HTTP
                     body = await read_limited(resp.content, MAX_REPLY)
                     if body is None:
                         raise RemoteProtocolError("response body too large")

@@ -50,7 +50,7 @@ from p2ptrain.net.server import Limits, Served, bases_of, build_app, listen
 from p2ptrain.net.shelf import Shelf, shelved
 from p2ptrain.net.steps import Stepper
 from p2ptrain.net.watch import Watch
-from p2ptrain.proto import LeaderChanged, Node, Send, wire
+from p2ptrain.proto import LeaderChanged, Node, Send
 from p2ptrain.report import Reporter, human_count
 from p2ptrain.settings import Settings
 from p2ptrain.startup import env_fault_hook, member_info, prepare
@@ -110,6 +110,7 @@ class Runtime:
                    addr=self.me.addr if self.node else None, outbound_only=self.outbound_only,
                    upload_bytes=self.bucket.sent, total_samples=self.learner.total_samples,
                    runtime={**self.stats, **(self.outbox.stats if self.node else {})},
+                   sent_by_kind=self.outbox.sent.document() if self.node else {},
                    steps=self.steps.stats())
         if self.phase != "running":
             doc["phase"] = self.phase
@@ -174,7 +175,7 @@ class Runtime:
             elif type(action) is proto.Refused and not action.by_peer:
                 status, reason = 409, action.reason
         status = 200 if replies and status == 400 else status  # a refusal with an answer (a
-        return status, [wire.encode(s.envelope) for s in replies], reason  # declined average)
+        return status, self.outbox.encode_replies(replies), reason  # declined average)
 
     def on_frames(self, addr: str, frames: list[bytes]) -> None:
         """Frames that came back in a response: each is a message from that peer."""

@@ -141,3 +141,11 @@ def peek_type(data: bytes | bytearray | memoryview) -> type | None:
     if len(data) < FRAME_SIZE or bytes(data[:4]) != MAGIC:
         return None
     return BODY_TYPES.get(data[5])
+
+
+def peek_tail_size(data: bytes | bytearray | memoryview) -> int:
+    """Bytes of a frame's binary tail (its `bytes` fields: codec chunks), read from its fixed
+    header only; RemoteProtocolError if there is no frame header."""
+    if len(data) < FRAME_SIZE or bytes(data[:4]) != MAGIC:
+        raise RemoteProtocolError("not a frame")
+    return _FRAME.unpack_from(data)[5]
