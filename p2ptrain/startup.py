@@ -229,5 +229,7 @@ def member_info(learner: Learner, hw: Any, addr: str, priority: int,
               "tokenizer": learner.tokenizer_id, "mode": model.mode}
     if model.mode == "lora":
         fields["base"] = model.base_id
-    return MemberInfo(learner.node_id, addr, hw.device_class, float(hw.matmul_gflops),
+    # capability to 3 decimals (as the simulator's devices advertise it): it only breaks
+    # election ties, and every header carries it -- 7 characters, not a float's 18
+    return MemberInfo(learner.node_id, addr, hw.device_class, round(float(hw.matmul_gflops), 3),
                       priority, learner.fingerprint, fields, outbound_only)
