@@ -15,6 +15,12 @@ Each machine runs one `p2ptrain.proto.node.Node`. The driver performs its action
   nothing of its own) moves it over the network at its charged size from the source the node
   names, then answers `CheckpointFetched`; `AdoptCheckpoint` loads it -- the runtime's join
   path, decided by the same node code;
+- holdings, as the runtime's shelf reports them (`Holds`), so headers carry the holding
+  record a real node's carry: the leader holds what it saved, a joiner what it downloaded
+  (adopted or not), and any other machine, every checkpoint interval of its steps, a local
+  save of its own (the runtime's periodic non-leader checkpoint: held, never fetched here).
+  Not modelled: the checkpoint the runtime writes the moment a node becomes leader (whether
+  a joiner's fetch comes after that write is a race; here the first is at the interval);
 - the node is woken at `next_deadline()` with `Tick`.
 Discovery: every node is told the addresses of the machines at its own site (mDNS); nodes at
 a NATed site are also given the wired machines of the other sites as static seeds.
@@ -29,6 +35,7 @@ sockets, seeds only.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 from dataclasses import dataclass
 
@@ -43,6 +50,8 @@ from p2ptrain.proto import (
     Finished,
     GossipConfig,
     GradientPush,
+    Holding,
+    Holds,
     LeaderChanged,
     Leave,
     Node,
@@ -93,6 +102,7 @@ class Machine:
     wake: Timer | None = None
     wake_at: float | None = None
     rng: random.Random | None = None  # compute-time jitter of this machine
+    saved_at: float = 0.0  # when this incarnation last saved (local saves) or started
 
 
 @dataclass
@@ -101,6 +111,7 @@ class Checkpoint:
     writer: int  # machine index
     params: np.ndarray
     counts: dict[str, int]
+    holding: Holding  # what its holders advertise (term, step, swarm samples, digest)
 
 
 class GossipSim:
@@ -142,6 +153,7 @@ class GossipSim:
         learner = self.training.learner(m.node_id, m.batch)
         seed = stream_seed(self.world.seed, f"node/{i}/{mach.incarnation}")
         mach.rng = random.Random(seed ^ 1)
+        mach.saved_at = self.engine.now
         mach.node = Node(self.proto, self.world.member_info(m), learner, self.node_config,
                          incarnation=mach.incarnation, now=self.engine.now,
                          rng=random.Random(seed), term_floor=mach.term_floor)
@@ -191,6 +203,8 @@ class GossipSim:
     def _fetched(self, i: int, generation: int, answer: CheckpointFetched) -> None:
         mach = self.machines[i]
         if mach.node is not None and mach.generation == generation:
+            if answer.path is not None:  # on the shelf now, adopted or not: held
+                self.handle(i, Holds(self.fetched_data[answer.path].holding))
             self.handle(i, answer)
 
     def adopt(self, i: int, action: AdoptCheckpoint) -> None:
@@ -210,8 +224,10 @@ class GossipSim:
             elif kind is RunStep:
                 self.run_step(i, action.step)
             elif kind is SaveCheckpoint:
+                holding = self.holding(i, action.term)
                 self.checkpoint = Checkpoint(self.engine.now, i, node.learner.params.copy(),
-                                             node.learner.count.as_dict())
+                                             node.learner.count.as_dict(), holding)
+                self.engine.after(0.0, self._holds, i, mach.generation, holding)
             elif kind is LeaderChanged:
                 if action.leader == node.node_id:
                     mach.term_floor = max(mach.term_floor, action.term)
@@ -223,6 +239,19 @@ class GossipSim:
                 self.adopt(i, action)
         if mach.node is node:
             self.reschedule(i)
+
+    def holding(self, i: int, term: int) -> Holding:
+        """What machine i advertises for a checkpoint it writes now in `term`."""
+        learner = self.machines[i].node.learner
+        step, samples = learner.step, learner.count.total
+        digest = hashlib.sha256(f"{term}/{step}/{samples}/{i}/{self.engine.now}".encode()
+                                ).hexdigest()[:16]  # a manifest's digest, in kind
+        return Holding(term, step, samples, digest)
+
+    def _holds(self, i: int, generation: int, holding: Holding) -> None:
+        mach = self.machines[i]
+        if mach.node is not None and mach.generation == generation:
+            self.handle(i, Holds(holding))
 
     def reschedule(self, i: int) -> None:
         mach = self.machines[i]
@@ -256,6 +285,11 @@ class GossipSim:
             return
         self.recorder.steps += 1
         self.handle(i, StepDone(step, loss))
+        node, now = mach.node, self.engine.now
+        if (node is not None and not node.is_leader
+                and now - mach.saved_at >= self.proto.checkpoint_interval):
+            mach.saved_at = now  # a local save, held at once (the write is not charged)
+            self.handle(i, Holds(self.holding(i, node.control.term)))
 
     def send(self, i: int, send: Send) -> None:
         dst = self.world.addr_index.get(send.addr)
