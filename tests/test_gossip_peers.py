@@ -12,6 +12,7 @@ import pytest
 from p2ptrain.proto.gossip.peers import (
     DEFAULT_RTT,
     MIN_BANDWIDTH_BYTES,
+    RATE_BIAS_CAP,
     PeerStats,
     PeerTable,
     choose_peers,
@@ -91,6 +92,28 @@ def test_choice_prefers_fast_links_but_keeps_exploring():
     pairs = Counter(frozenset(table.choose(["fast0", "fast1", "slow0", "slow1"], 2, rng,
                                            1 << 20)) for _ in range(2000))
     assert pairs.most_common(1)[0][0] == {"fast0", "fast1"}
+
+
+def test_averaging_partners_weighted_by_sample_rate_within_a_cap():
+    """Equal links: with rates given, a peer is drawn in proportion to its sample rate (an
+    unknown one as the median), and an inflated rate counts at most RATE_BIAS_CAP x the
+    median -- it cannot take every draw."""
+    stats = {p: PeerStats(rtt=0.01, bandwidth=1e8) for p in ("pi", "laptop", "server", "liar")}
+    rates = {"pi": 0.1, "laptop": 1.0, "server": 3.0, "liar": 1e9}
+    rng = np.random.default_rng(7)
+    draws = Counter(choose_peers(["pi", "laptop", "server"], stats, 1, rng, 4096,
+                                 rates=rates)[0] for _ in range(4000))
+    assert draws["server"] > 2.2 * draws["laptop"] > 2.2 * 2.5 * draws["pi"] > 0
+    unknown = Counter(choose_peers(["pi", "laptop", "server"], stats, 1, rng, 4096,
+                                   rates={"pi": 0.1, "server": 3.0})[0] for _ in range(4000))
+    assert unknown["server"] > unknown["laptop"] > unknown["pi"]  # laptop: the median (1.55)
+    capped = Counter(choose_peers(list(rates), stats, 1, rng, 4096, rates=rates)[0]
+                     for _ in range(4000))
+    mid = (1.0 + 3.0) / 2  # median of the four: 2.0
+    weights = [RATE_BIAS_CAP * mid, 0.1, 1.0, 3.0]
+    weights[1] = max(0.1, 0.1 * sum(weights) / 4)  # the exploration floor lifts the pi
+    share = weights[0] / sum(weights)
+    assert capped["liar"] / 4000 == pytest.approx(share, abs=0.03) and capped["server"] > 0
 
 
 def test_choice_is_seeded_and_ignores_the_order_of_ids():

@@ -33,6 +33,7 @@ import numpy as np
 
 DEFAULT_RTT = 0.05  # seconds assumed when no peer has been measured yet
 DEFAULT_BANDWIDTH = 1.25e6  # bytes/s assumed when no peer has been measured (10 Mbit/s)
+RATE_BIAS_CAP = 4.0  # a peer's rate weighs at most this many times the median rate
 MIN_BANDWIDTH_BYTES = 16 << 10  # smaller transfers say little about bandwidth: RTT dominates
 
 
@@ -137,8 +138,9 @@ class PeerTable:
         self._stats.pop(peer, None)
 
     def choose(self, eligible: Iterable[str], fanout: int, rng: np.random.Generator,
-               message_bytes: int, explore: float = 0.1) -> tuple[str, ...]:
-        return choose_peers(eligible, self._stats, fanout, rng, message_bytes, explore)
+               message_bytes: int, explore: float = 0.1,
+               rates: Mapping[str, float | None] | None = None) -> tuple[str, ...]:
+        return choose_peers(eligible, self._stats, fanout, rng, message_bytes, explore, rates)
 
 
 def delivery_seconds(stats: Mapping[str, PeerStats], peers: Iterable[str],
@@ -186,12 +188,14 @@ def give_up_seconds(stats: Mapping[str, PeerStats], peer: str, message_bytes: in
 
 
 def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout: int,
-                 rng: np.random.Generator, message_bytes: int,
-                 explore: float = 0.1) -> tuple[str, ...]:
+                 rng: np.random.Generator, message_bytes: int, explore: float = 0.1,
+                 rates: Mapping[str, float | None] | None = None) -> tuple[str, ...]:
     """`fanout` distinct peers from `eligible` (all of them, in random order, if fewer),
-    drawn without replacement with probability proportional to 1 / delivery time, floored
+    drawn without replacement with probability proportional to 1 / delivery time -- times
+    the peer's sample rate if `rates` are given (unknown: the median of the known; at most
+    `RATE_BIAS_CAP` x that median, so an inflated count cannot take every draw) -- floored
     at `explore` x the mean weight. The result depends only on the set of eligible ids, the
-    stats and the generator's state, not on the order the ids are given in."""
+    stats, the rates and the generator's state, not on the order the ids are given in."""
     if fanout < 0 or not 0.0 <= explore <= 1.0:
         raise ValueError(f"fanout must be >= 0 and explore in [0, 1]: {fanout}, {explore}")
     peers = sorted(set(eligible))
@@ -199,6 +203,10 @@ def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout
         return ()
     seconds = delivery_seconds(stats, peers, message_bytes)
     weights = np.array([1.0 / max(seconds[p], 1e-9) for p in peers])
+    known = [r for p in peers if (r := (rates or {}).get(p)) is not None and r > 0]
+    if known:
+        mid = statistics.median(known)
+        weights *= [min((rates or {}).get(p) or mid, RATE_BIAS_CAP * mid) for p in peers]
     np.maximum(weights, explore * weights.mean(), out=weights)
     picks = rng.choice(len(peers), size=min(fanout, len(peers)), replace=False,
                        p=weights / weights.sum())
