@@ -17,7 +17,7 @@ def test_base_scenario_is_inherited_and_overridden(tmp_path):
     fleet, lora = load("seed-fleet"), load("seed-1b-lora")
     assert lora.nodes == fleet.nodes and lora.sites == fleet.sites
     assert lora.model == fleet.model and lora.train["lr"] == fleet.train["lr"]
-    assert lora.train["warmup_samples"] == 1600 < fleet.train["warmup_samples"]  # replaced
+    assert lora.train["warmup_samples"] == 200 < fleet.train["warmup_samples"]  # replaced
     assert lora.charge["lora_rank"] == 16 and lora.stop_at_target and not fleet.stop_at_target
     assert [m.kind for m in lora.methods] == ["gossip"] * 3 + ["coordinator", "allreduce",
                                                                  "solo"]
