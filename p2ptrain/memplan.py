@@ -17,7 +17,8 @@ Peak resident memory of a node training N float32 parameters:
   + 4 B x N + queue_bytes    the error-feedback residual; the peer gradients waiting
   with outer steps (gossip.outer_every > 0) instead:
   + 4 B x N + queue_bytes    the round's progress and the error feedback, bfloat16; the
-                             peer pseudo-gradients waiting
+                             peer pseudo-gradients waiting (2 B x N: gossip.outer_rewind =
+                             false keeps one vector, the error feedback)
 In LoRA mode N is the adapters' count, plus
   + 2 B x the base            the frozen 16-bit base's pages (mapped; shared between nodes)
   + LORA_SCRATCH              base blocks widened to float32, adapter products
@@ -75,11 +76,13 @@ class Footprint:
 def footprint(n_params: int, activation_bytes: int, *, accum: int = 1,
               networked: bool = False, pushes: bool = False, corpus_tokens: int = 0,
               queue_bytes: int = GOSSIP.queue_bytes,
-              average_part: int = GOSSIP.average_part, outer: bool = False) -> Footprint:
+              average_part: int = GOSSIP.average_part, outer: bool = False,
+              outer_rewind: bool = GOSSIP.outer_rewind) -> Footprint:
     """The peak memory of training `n_params` parameters whose micro-batch needs
     `activation_bytes` of scratch; `networked`: not --alone; `pushes`: gossip.fanout > 0;
     `outer`: True with outer steps (gossip.outer_every > 0): the round's progress and the
-    error feedback, bfloat16 (they replace the pushes' float32 residual)."""
+    error feedback, bfloat16 (they replace the pushes' float32 residual); without rewinding
+    (`outer_rewind` false) the error feedback alone."""
     n = int(n_params)
     held = 4 * (held_capacity(n) + average_part) if networked else 0
     net = NET_OVERHEAD + BODY_MEMORY + 8 * average_part if networked else 0
@@ -92,7 +95,7 @@ def footprint(n_params: int, activation_bytes: int, *, accum: int = 1,
         averaging=held,
         error_feedback=4 * n if pushes and not outer else 0,
         push_queue=queue_bytes if pushes or outer else 0,
-        outer=4 * n if outer else 0,
+        outer=(4 if outer_rewind else 2) * n if outer else 0,
     )
 
 

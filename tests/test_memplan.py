@@ -27,6 +27,10 @@ def test_training_needs_16_bytes_per_parameter_plus_what_is_asked_for():
     big = memplan.footprint(10**9, 0, networked=True)
     assert big.averaging / 10**9 < 0.52  # an eighth of the model, and one part
     assert memplan.footprint(N, 0, corpus_tokens=1000).corpus == 1125
+    outer = memplan.footprint(N, 0, pushes=True, outer=True, queue_bytes=10)
+    assert outer.outer == 4 * N and outer.error_feedback == 0 and outer.push_queue == 10
+    kept = memplan.footprint(N, 0, pushes=True, outer=True, outer_rewind=False)
+    assert kept.outer == 2 * N  # keeping the owed progress: the error feedback alone
 
 
 def test_the_rwkv_family_and_its_activations():

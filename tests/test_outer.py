@@ -139,6 +139,31 @@ def test_keeping_unsent_progress_gives_back_only_what_was_sent():
     c = np.empty(n, np.float32)
     o.share(c, sender=SENDER, swarm=0, weight=1.0, seed=1, chunk_elems=2048)
     o.give_back(x, c)
-    assert not o.progress.bits.any()
+    assert o.progress.bits is o.feedback  # one vector: the steps add to what is owed
     err = x - (anchor - widened(o.feedback))
     assert float(np.abs(err).max()) < 0.02 * float(np.abs(widened(o.feedback)).max())
+    with pytest.raises(RuntimeError):
+        o.rewind(x)
+
+
+def test_without_rewinding_one_vector_holds_what_two_did():
+    """outer_rewind = false keeps e alone (2 bytes a parameter): the steps add to it and a
+    share leaves beta (e - c) -- at every share e is beta e' + d as with two vectors."""
+    n = 20_000
+    o = make_outer(n, codec="topk", fraction=0.02, outer_momentum=0.5, outer_rewind=False)
+    rng = np.random.default_rng(8)
+    owed = np.zeros(n, np.float64)  # e after the last share, before the decay
+    c = np.empty(n, np.float32)
+    for r in range(5):
+        for _ in range(3):  # three local steps' progress
+            step = (rng.normal(size=n) * 1e-3).astype(np.float32)
+            o.progress.add(0, step)
+            owed += step
+        expected = owed.copy()  # e at this share: beta (e' - c') + d
+        o.share(c, sender=SENDER, swarm=r, weight=1.0, seed=r, chunk_elems=4096)
+        assert 0.015 * n <= np.count_nonzero(c) <= 0.025 * n
+        np.testing.assert_allclose(c[c != 0], expected[c != 0], rtol=0.02)  # sent: the top
+        owed = 0.5 * (expected - c)
+    err = widened(o.feedback).astype(np.float64) - owed
+    rms = float(np.sqrt(np.mean(owed**2)))
+    assert float(np.sqrt(np.mean(err**2))) < 0.01 * rms and abs(err.mean()) < 1e-3 * rms

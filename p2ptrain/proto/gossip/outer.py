@@ -20,6 +20,10 @@ peer's c it is exactly averaging the replicas' progress. Bytes per round: fanout
 vectors, against one dense vector per *step* for gradient exchange. Extra state: d and e,
 2 bytes a parameter each (no anchor copy, no separate momentum).
 
+`outer_rewind = false` (keep the owed progress) needs no d: the replica is not sent back, so
+every step's progress goes straight into e, and after sharing e keeps beta (e - c) -- the
+same e at every share as above (beta e + d), in one vector: 2 bytes a parameter.
+
 Pure: no I/O, no clock; randomness from the seeds given.
 """
 
@@ -47,8 +51,10 @@ class OuterOptimizer:
         self.lr, self.beta = config.outer_lr, config.outer_momentum
         self.codec = config.make_codec()
         self.n = int(n)
-        self.progress = Progress(n, seed)  # d: this round's progress
-        self.feedback = np.zeros(n, np.uint16)  # e: bfloat16 bits of what is owed
+        self.rewinds = config.outer_rewind
+        self.progress = Progress(n, seed)  # d: this round's progress (no rewind: e itself)
+        # e: bfloat16 bits of what is owed; without rewinding, the steps add to it directly
+        self.feedback = np.zeros(n, np.uint16) if self.rewinds else self.progress.bits
         self._stream = bit_stream(seed ^ 0x5EED)  # e's rounding
         self._wide = np.zeros(0, np.float32)
         self.rounds = 0
@@ -60,7 +66,8 @@ class OuterOptimizer:
     def share(self, into: np.ndarray, *, sender: bytes, swarm: int, weight: float, seed: int,
               chunk_elems: int) -> list[bytes]:
         """e = beta e + d; the messages of c = compress(e), chunk by chunk; e keeps e - c.
-        `into` (float32, n: a free buffer such as the gradient's) is set to c."""
+        Without rewinding, e already holds d and keeps beta (e - c). `into` (float32, n: a
+        free buffer such as the gradient's) is set to c."""
         bounds = chunk_bounds(self.n, chunk_elems)
         header = Origin(sender, swarm, weight)
         codec, out = self.codec, []
@@ -71,13 +78,16 @@ class OuterOptimizer:
                 self._wide = np.zeros(length, np.float32)
             d = self._wide[:length]
             bf16_bits_to_f32(owed, part)
-            part *= np.float32(self.beta)
-            bf16_bits_to_f32(self.progress.bits[offset : offset + length], d)
-            part += d  # part = e
+            if self.rewinds:
+                part *= np.float32(self.beta)
+                bf16_bits_to_f32(self.progress.bits[offset : offset + length], d)
+                part += d  # part = e
             cseed = chunk_seed(seed, index)
             msg = encode_chunk(codec, part, header, self.n, offset, index, len(bounds), cseed)
             payload = memoryview(msg)[HEADER_SIZE : HEADER_SIZE + codec.encoded_size(length)]
             codec.decode_into(payload, part, -1.0, cseed)  # part = e - c
+            if not self.rewinds:
+                part *= np.float32(self.beta)  # the next round's steps add to beta (e - c)
             f32_to_bf16_stochastic(part, owed, self._stream)
             part.fill(0.0)
             codec.decode_into(payload, part, 1.0, cseed)  # part = c
@@ -86,12 +96,16 @@ class OuterOptimizer:
 
     def give_back(self, params: np.ndarray, shared: np.ndarray) -> None:
         """params += c (`outer_rewind = false`): only what was sent is replaced by the
-        average; the replica keeps the progress it still owes. The round's d starts anew."""
+        average; the replica keeps the progress it still owes (in e, where the next round's
+        steps add theirs)."""
+        if self.rewinds:
+            raise RuntimeError("give_back is the outer step without rewinding")
         params += shared
-        self.progress.reset()
 
     def rewind(self, params: np.ndarray) -> None:
         """params += d: back to where the round started; the next round's d starts at 0."""
+        if not self.rewinds:
+            raise RuntimeError("rewind needs outer_rewind = true")
         for lo, hi in blocks(self.n):
             if self._wide.shape[0] < hi - lo:
                 self._wide = np.zeros(hi - lo, np.float32)
@@ -110,4 +124,4 @@ class OuterOptimizer:
     def reset(self) -> None:
         """Forget progress and what is owed (the replica was replaced)."""
         self.progress.reset()
-        self.feedback.fill(0)
+        self.feedback.fill(0)  # (the same vector without rewinding)
