@@ -29,7 +29,9 @@ class GossipConfig:
 
     # Defaults chosen with the simulator (docs/BENCHMARKS.md §8, scenario `defaults`): pure
     # averaging of 10% of the coordinates in fp16 every 5 steps reached the target first on
-    # the seed fleet and under churn, on every seed, with the least traffic.
+    # the seed fleet and under churn, on every seed, with the least traffic. Averaging is
+    # weighted by sample rates since issue 17 (§16: the seed regime, where a Pi's step
+    # takes 30x a server's, the leader's replica reaches the target twice as fast).
     codec: str = option("topk", "gradient codec (when gossip.fanout > 0)", choices=CODECS)
     fraction: float = option(0.01, "share of coordinates topk/randomk send", minimum=0)
     fanout: int = option(0, "peers each gradient is pushed to; 0 (the default, best in the "
@@ -43,7 +45,7 @@ class GossipConfig:
     average_part: int = option(DEFAULT_PART, "coordinates per averaging message: a big "
                                "model's exchange travels as parts of this size", minimum=1024)
     average_pull_max: float = option(
-        0.5, "how far a replica moves toward a peer's in an averaging exchange, at most: 0.5 "
+        0.9, "how far a replica moves toward a peer's in an averaging exchange, at most: 0.5 "
         "is plain pairwise averaging; above, each side moves by the peer's share of the "
         "pair's observed sample rates (a slow replica follows a fast one), clamped to "
         "[1 - this, this]", minimum=0.5)
