@@ -1,6 +1,7 @@
 """Peak memory per parameter of a training node (issue 15): measured against p2ptrain.memplan.
 
     python -m tests.bench.memory --sizes 1m,10m,100m,200m,1b [--tree DIR] [--networked]
+    python -m tests.bench.memory --sizes 100m,200m --outer keep     # with outer steps
     python -m tests.bench.memory --step-time 12x768 --vocab 256,50277
     python -m tests.bench.memory --pi
 
@@ -58,8 +59,17 @@ def shape_of(spec: str) -> RWKVConfig:
     return min(members, key=lambda c: abs(math.log(RWKV(c).space.n_params / target)))
 
 
+def outer_env(mode: str) -> dict[str, str]:
+    """Gossip settings of a node with outer steps every 2 steps (so 3 steps share once):
+    `mode` "keep" (outer_rewind false, one vector) or "rewind" (two)."""
+    return {"P2PTRAIN_GOSSIP_OUTER_EVERY": "2", "P2PTRAIN_GOSSIP_FANOUT": "1",
+            "P2PTRAIN_GOSSIP_AVERAGE_EVERY": "0",
+            "P2PTRAIN_GOSSIP_OUTER_REWIND": "true" if mode == "rewind" else "false"}
+
+
 def run_node(config: RWKVConfig, tree: Path = REPO, networked: bool = False,
-             eval_windows: int = 32, port: int = 7390, resume: bool = False) -> dict:
+             eval_windows: int = 32, port: int = 7390, resume: bool = False,
+             outer: str = "") -> dict:
     """A `join` of 3 steps at batch 1 (`resume`: and a second one that resumes from its
     checkpoint): parameters, peak RSS (and the resumed run's), seconds, checkpoints."""
     with tempfile.TemporaryDirectory(prefix="p2pt-mem-") as state:
@@ -72,6 +82,7 @@ def run_node(config: RWKVConfig, tree: Path = REPO, networked: bool = False,
                    P2PTRAIN_MODEL_RWKV_N_LAYER=str(config.n_layer),
                    P2PTRAIN_MODEL_RWKV_N_EMBD=str(config.n_embd),
                    P2PTRAIN_MODEL_RWKV_CTX_LEN=str(config.ctx_len))
+        env.update(outer_env(outer) if outer else {})
         started = time.monotonic()
         peak, events = _join(cmd, env, tree, Path(state))
         got = {"params": next(e["params"] for e in events if e.get("event") == "start"),
@@ -148,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="", help="comma-separated: 1m,10m,100m or LxC shapes")
     ap.add_argument("--tree", type=Path, default=REPO, help="checkout to run (default: this)")
     ap.add_argument("--networked", action="store_true", help="join without --alone")
+    ap.add_argument("--outer", choices=("keep", "rewind"), default="",
+                    help="networked, with outer steps (gossip.outer_rewind false / true)")
     ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--resume", action="store_true", help="also measure a resumed run")
     ap.add_argument("--step-time", default="", help="shape LxC to time train_step at")
@@ -161,10 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for spec in filter(None, args.sizes.split(",")):
         config = shape_of(spec)
-        got = run_node(config, args.tree, args.networked, args.eval_windows,
-                       resume=args.resume)
+        networked = args.networked or bool(args.outer)
+        got = run_node(config, args.tree, networked, args.eval_windows,
+                       resume=args.resume, outer=args.outer)
         resumed = f"{got['resumed'] / GB:.3f} GB" if "resumed" in got else "-"
-        predicted = memplan.rwkv_footprint(config, networked=args.networked).total
+        predicted = memplan.rwkv_footprint(
+            config, networked=networked, pushes=bool(args.outer), outer=bool(args.outer),
+            outer_rewind=args.outer == "rewind").total
         shown = f"{predicted / GB:.3f} GB" if args.tree.resolve() == REPO else "-"
         points.append((got["params"], got["peak"]))
         print(f"| {got['params'] / 1e6:.2f}M | {config.n_layer} x {config.n_embd} | "
