@@ -54,8 +54,8 @@ def markdown(results: dict[str, Any]) -> str:
         if taken is not None and r.get("final_loss") is not None:
             final = f"{taken:.3f}; {final}"
         reach = _time(r.get("time_to_target"))
-        if r.get("mean_time_to_target") != r.get("time_to_target"):
-            reach += f" ({_time(r.get('mean_time_to_target'))})"
+        if (mean := r.get("mean_time_to_target")) != r.get("time_to_target"):
+            reach += f" (mean: {_time(mean) if mean is not None else 'not by then'})"
         lines.append(
             f"| {r['name']} | {reach} | {final} | "
             f"{_num(r.get('samples_per_second'), '{:.0f}')} | "
@@ -294,8 +294,9 @@ def seeds_table(runs: list[dict[str, Any]]) -> str:
             per_seed = " / ".join(_time(r["time_to_target"]) for r in rs)
             if any(r.get("mean_time_to_target", r["time_to_target"]) != r["time_to_target"]
                    for r in rs):  # gossip: the leader's replica, then the mean replica's
-                per_seed += " (mean replica: " + " / ".join(
-                    _time(r.get("mean_time_to_target")) for r in rs) + ")"
+                per_seed += " (mean replica: " + " / ".join(  # a run ends at the target
+                    _time(t) if (t := r.get("mean_time_to_target")) is not None
+                    else "not by then" for r in rs) + ")"
             lines.append(_row(
                 name, model, method, f"{per_seed} (seeds {', '.join(map(str, seeds))})",
                 _time(med), f"{_median(samples):,.0f}" if samples and med is not None else "–",
