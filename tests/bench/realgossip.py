@@ -2,14 +2,16 @@
 run (issue 17: "bytes per trained sample against dense fp32 gradient exchange and final loss
 against the best configuration").
 
-    python -m tests.bench.realgossip [--configs A,B,C,D,E,F] [--seeds 2]
+    python -m tests.bench.realgossip [--configs A,B,C,D,E,F] [--seeds 2] [--first-seed 0]
                                      [--total-samples 200000] [--timeout 900]
                                      [--json OUT] [--keep DIR]
+    python -m tests.bench.realgossip --table OUT [OUT ...]   # the table of saved runs
 
 Each run: three `p2ptrain join` processes on loopback (tests/swarmlab.py: a fresh swarm key,
 its own state directories, mDNS off), the same rwkv 2 x 64 on the built-in corpus, the same
 `train.seed`, batches 4, 6 and 8 (unequal speeds: the step time is mostly fixed overhead at
-this size, so the batch-8 node trains about twice the samples per second of the batch-4 one).
+this size, so the batch-8 node trains more samples per second than the batch-4 one; 1.2-1.5x
+on the loaded 2-core machine of docs/BENCHMARKS.md section 17).
 Training starts once a node sees both peers. The run ends by itself: a node stops when the
 swarm's sample count it knows reaches `train.total_samples` (and writes a final checkpoint),
 so every configuration trains the same swarm budget whatever the machine's load; compare
@@ -55,7 +57,7 @@ MODEL = {"n_layer": 2, "n_embd": 64, "ctx_len": 32}
 BATCHES = (4, 6, 8)  # one node each: unequal sample rates
 HELDOUT_WINDOWS = 512
 POLL = 0.25  # s between status polls (the last one before a node exits is its figure)
-CONFIGS: dict[str, tuple[str, dict]] = {
+CONFIGS: dict[str, tuple[str, dict | None]] = {  # None: one node alone
     "A": ("old default (averaging every 5, subset fp16 10%, pull 0.5)", {}),
     "B": ("rate-weighted averaging (pull max 0.9)", {"average_pull_max": 0.9}),
     "C": ("rate-weighted averaging every step", {"average_pull_max": 0.9, "average_every": 1}),
@@ -65,7 +67,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "E": ("dense fp32 gradient to 1 peer every step", {"fanout": 1, "codec": "none",
                                                        "average_every": 0}),
     "F": ("no communication", {"average_every": 0}),
+    # the reference: the whole budget trained serially by one node (`join --alone`)
+    "S": ("one node alone, batch 6, the whole budget (serial reference)", None),
 }
+SOLO_BATCH = 6  # the swarm's mean batch
 
 
 def swarm_toml(gossip: dict, seed: int, total: int) -> str:
@@ -81,6 +86,26 @@ def swarm_toml(gossip: dict, seed: int, total: int) -> str:
 
 def logged(proc: Proc, event: str) -> list[dict]:
     return [e for e in proc.events() if e.get("event") == event]
+
+
+def run_alone(seed: int, total: int, timeout: float, tmp: Path) -> dict:
+    """One node trains the whole budget alone; its figures, in the shape of `run_one`'s."""
+    started = time.monotonic()
+    with SwarmLab(tmp, swarm_toml({}, seed, total), name="realgossip") as lab:
+        proc = lab.start("solo", free_ports(1)[0], [], "--alone", "--batch", str(SOLO_BATCH))
+        wait_for("the node alone to end at train.total_samples", lambda: not proc.alive(),
+                 timeout, poll=POLL)
+        stopped = logged(proc, "stopped")
+        step = stopped[-1]["step"] if stopped else 0
+        node = {"node_id": "solo", "batch": SOLO_BATCH, "exit_code": proc.popen.returncode,
+                "steps": step, "samples": step * SOLO_BATCH, "missed_steps": 0,
+                "upload_bytes": 0, "message_bytes": 0, "sent_by_kind": {},
+                "warnings": dict(Counter(e.get("event") for e in proc.events()
+                                         if e.get("level") == "warning")),
+                "params": (logged(proc, "start") or [{}])[0].get("params"),
+                **score_node(lab.config, proc.state_dir)}
+    return {"seconds": time.monotonic() - started, "nodes": [node], "leader": "solo",
+            "leaders_seen": ["solo"]}
 
 
 def run_one(gossip: dict, seed: int, total: int, timeout: float, tmp: Path) -> dict:
@@ -168,49 +193,67 @@ def mean(values: list) -> float | None:
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    """The markdown table: each configuration's mean over its seeds."""
+    """The markdown table: each configuration's mean over its seeds; "vs the best leader"
+    against the best swarm configuration (the serial reference is not one)."""
     rows = {}
     for name, runs in results.items():
         figs = [r["figures"] for r in runs if "figures" in r]
         rows[name] = {k: mean([f[k] for f in figs]) for k in
                       ("bytes_per_sample", "dense_ratio", "leader_loss", "mean_loss", "seconds")}
+        leaders = [f["leader_loss"] for f in figs if f["leader_loss"] is not None]
+        rows[name]["range"] = (min(leaders), max(leaders)) if len(leaders) > 1 else None
         rows[name]["runs"] = len(figs)
         rows[name]["failed"] = len(runs) - len(figs)
-    best = min((r["leader_loss"] for r in rows.values() if r["leader_loss"] is not None),
-               default=None)
+    best = min((r["leader_loss"] for name, r in rows.items()
+                if r["leader_loss"] is not None and CONFIGS[name][1] is not None), default=None)
     out = ["| configuration | bytes per trained sample | dense fp32 / config | leader's final "
-           "held-out loss | mean replica's | vs the best leader | runs (wall s) |",
+           "held-out loss (seeds' range) | mean replica's | vs the best leader | runs "
+           "(mean wall s) |",
            "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in rows.items():
-        def num(v, fmt):
-            return "-" if v is None else format(v, fmt)
         vs = (None if r["leader_loss"] is None or best is None
               else 100 * (r["leader_loss"] / best - 1))
         failed = f", {r['failed']} failed" if r["failed"] else ""
-        out.append(f"| {name}: {CONFIGS[name][0]} | {num(r['bytes_per_sample'], ',.0f')} | "
-                   f"{num(r['dense_ratio'], ',.1f')}x | {num(r['leader_loss'], '.4f')} | "
-                   f"{num(r['mean_loss'], '.4f')} | "
-                   f"{'-' if vs is None else f'{vs:+.2f}%'} | "
-                   f"{r['runs']}{failed} ({num(r['seconds'], '.0f')}) |")
+        spread = "" if r["range"] is None else f" ({r['range'][0]:.4f}-{r['range'][1]:.4f})"
+        ratio = "-" if not r["dense_ratio"] else f"{r['dense_ratio']:,.1f}x"
+        cells = [f"{name}: {CONFIGS[name][0]}", number(r["bytes_per_sample"], ",.0f"), ratio,
+                 number(r["leader_loss"], ".4f") + spread, number(r["mean_loss"], ".4f"),
+                 "-" if vs is None else f"{vs:+.2f}%",
+                 f"{r['runs']}{failed} ({number(r['seconds'], '.0f')})"]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
+
+
+def number(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--seeds", type=int, default=2, help="train.seed 0 .. this - 1")
+    ap.add_argument("--first-seed", type=int, default=0, help="add this to every seed")
     ap.add_argument("--total-samples", type=int, default=200_000)
     ap.add_argument("--timeout", type=float, default=900.0, help="s per run, at most")
     ap.add_argument("--json", type=Path, help="write every figure here")
     ap.add_argument("--keep", type=Path, help="keep each run's logs and checkpoints here")
+    ap.add_argument("--table", type=Path, nargs="+", metavar="JSON",
+                    help="print the table of runs saved with --json (merged), run nothing")
     args = ap.parse_args(argv)
+    if args.table:
+        merged: dict[str, list[dict]] = {}
+        for path in args.table:
+            for name, runs in json.loads(path.read_text()).items():
+                merged.setdefault(name, []).extend(runs)
+        print(table(merged), end="")
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleanup runs on SIGTERM too
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown configurations {unknown} (known: {', '.join(CONFIGS)})")
     results: dict[str, list[dict]] = {n: [] for n in names}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for name in names:
             with open("/proc/loadavg") as f:
                 load = " ".join(f.read().split()[:3])
@@ -220,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rg-")))
                 try:
-                    run = run_one(CONFIGS[name][1], seed, args.total_samples, args.timeout,
-                                  tmp)
+                    gossip = CONFIGS[name][1]
+                    run = (run_alone(seed, args.total_samples, args.timeout, tmp)
+                           if gossip is None else
+                           run_one(gossip, seed, args.total_samples, args.timeout, tmp))
                 except AssertionError as exc:  # a run that does not end: said, not fatal
                     results[name].append({"seed": seed, "load": load, "error": str(exc)})
                     print(f"{name} seed {seed}: FAILED: {exc}", flush=True)
