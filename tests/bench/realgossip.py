@@ -2,7 +2,7 @@
 run (issue 17: "bytes per trained sample against dense fp32 gradient exchange and final loss
 against the best configuration").
 
-    python -m tests.bench.realgossip [--configs A,B,C,D,E,F] [--seeds 2] [--first-seed 0]
+    python -m tests.bench.realgossip [--configs A,B,C,D,E,F,S] [--seeds 2] [--first-seed 0]
                                      [--total-samples 200000] [--timeout 900]
                                      [--json OUT] [--keep DIR]
     python -m tests.bench.realgossip --table OUT [OUT ...]   # the table of saved runs
@@ -32,8 +32,10 @@ Figures of a run, read from each node's last `/v1/status` before it exited (poll
   leader's is the deliverable (the leader the nodes followed in the last poll where all three
   answered); "mean replica" is the mean over the three nodes.
 
-Configurations (`gossip.*` keys, p2ptrain/proto/gossip/config.py), CONFIGS below; the table
-gives the mean over seeds. Every process is ended on exit, also on failure or Ctrl-C. This
+Configurations (`gossip.*` keys, p2ptrain/proto/gossip/config.py), CONFIGS below, and S, the
+serial reference: one `join --alone` node trains the whole budget at batch 6. The table gives
+the mean over seeds. A seed fixes the initial weights only: node ids, so data shards and
+partner choices, are new each run. Every process is ended on exit, also on failure or Ctrl-C. This
 file measures; it changes neither the node nor its defaults.
 """
 
@@ -151,6 +153,9 @@ def run_one(gossip: dict, seed: int, total: int, timeout: float, tmp: Path) -> d
                 "message_bytes": sum(k["bytes"] for k in doc.get("sent_by_kind", {}).values()),
                 "sent_by_kind": doc.get("sent_by_kind", {}),
                 "swarm_samples": doc.get("swarm_samples"),
+                "consensus_distance": doc.get("consensus_distance"),
+                "gossip": doc.get("gossip"), "drops": doc.get("drops"),
+                "runtime": doc.get("runtime"),
                 "final_save_step": saves[-1]["step"] if saves else None,
                 "warnings": dict(Counter(e.get("event") for e in p.events()
                                          if e.get("level") == "warning")),
@@ -184,7 +189,9 @@ def describe(node: dict, leads: bool) -> str:
     loss = "-" if node["heldout"] is None else f"{node['heldout']:.4f}"
     return (f"batch {node['batch']}{' (leader)' if leads else ''}: exit {node['exit_code']}, "
             f"{node['samples']:,} samples, loss {loss}, warnings {node['warnings'] or 'none'}, "
-            f"{node['missed_steps']} steps after the last poll")
+            f"{node['missed_steps']} steps after the last poll"
+            + ("" if node.get("final_save_step", node["steps"]) == node["steps"] else
+               f", LAST CHECKPOINT AT STEP {node['final_save_step']} OF {node['steps']}"))
 
 
 def mean(values: list) -> float | None:
