@@ -192,7 +192,7 @@ def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout
                  rates: Mapping[str, float | None] | None = None) -> tuple[str, ...]:
     """`fanout` distinct peers from `eligible` (all of them, in random order, if fewer),
     drawn without replacement with probability proportional to 1 / delivery time -- times
-    the peer's sample rate if `rates` are given (unknown: the median of the known; at most
+    the peer's sample rate if `rates` are given (unknown or 0: the median of the known; at most
     `RATE_BIAS_CAP` x that median, so an inflated count cannot take every draw) -- floored
     at `explore` x the mean weight. The result depends only on the set of eligible ids, the
     stats, the rates and the generator's state, not on the order the ids are given in."""
@@ -203,10 +203,11 @@ def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout
         return ()
     seconds = delivery_seconds(stats, peers, message_bytes)
     weights = np.array([1.0 / max(seconds[p], 1e-9) for p in peers])
-    known = [r for p in peers if (r := (rates or {}).get(p)) is not None and r > 0]
+    rates = rates or {}
+    known = [r for p in peers if (r := rates.get(p)) is not None and r > 0]
     if known:
         mid = statistics.median(known)
-        weights *= [min((rates or {}).get(p) or mid, RATE_BIAS_CAP * mid) for p in peers]
+        weights *= [min(rates.get(p) or mid, RATE_BIAS_CAP * mid) for p in peers]
     np.maximum(weights, explore * weights.mean(), out=weights)
     picks = rng.choice(len(peers), size=min(fanout, len(peers)), replace=False,
                        p=weights / weights.sum())
