@@ -10,9 +10,13 @@ import pytest
 from p2ptrain import checkpoint
 from tests.swarmlab import SMALL_SWARM_TOML, SwarmLab, free_ports, wait_for
 
-# an mlp of ~0.8M parameters: 3.3 MB of weights, 13 chunks of 256 KiB
+# an mlp of ~0.7M parameters: 2.8 MB of weights, 11 chunks of 256 KiB. The leader checkpoints
+# every 30 s, not every 2 s: the joiners start right after its first checkpoint and must both
+# fetch that one to trade chunks (a fetch started after the next checkpoint takes the newer
+# one, and two fetches of different checkpoints share nothing -- that made this test flaky).
 BIG_WEIGHTS_TOML = SMALL_SWARM_TOML.replace("n_hidden = 32", "n_hidden = 1536").replace(
-    "n_embd = 8", "n_embd = 24")
+    "n_embd = 8", "n_embd = 24").replace("[checkpoint]\nevery_seconds = 2",
+                                         "[checkpoint]\nevery_seconds = 30")
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
@@ -30,7 +34,7 @@ def _weights_bytes(proc) -> int:
 
 
 def test_joiners_fetch_from_each_other_as_well_as_from_the_leader(tmp_path):
-    assert BIG_WEIGHTS_TOML != SMALL_SWARM_TOML
+    assert "every_seconds = 30" in BIG_WEIGHTS_TOML and "n_hidden = 1536" in BIG_WEIGHTS_TOML
     with SwarmLab(tmp_path, BIG_WEIGHTS_TOML) as lab:
         ports = free_ports(3)
         addrs = [f"127.0.0.1:{p}" for p in ports]
