@@ -73,10 +73,13 @@ CHECKPOINT_OVERHEAD = 4096  # bytes of manifest and headers around a checkpoint'
 RETRANSMIT_SECONDS = 0.2  # TCP's retransmission timeout (Linux's minimum RTO)
 
 
-def split_params(params: dict) -> tuple[GossipConfig, NodeConfig]:
+def split_params(params: dict, flops_per_coordinate: float) -> tuple[GossipConfig, NodeConfig]:
     """A method's knobs: the keys of a node's [gossip] and [node] TOML sections (the
     GossipConfig and NodeConfig fields), given flat (`fanout = 1`) or as in a node's file
-    (`gossip.fanout = 1`, i.e. a `gossip` or `node` table); others are errors."""
+    (`gossip.fanout = 1`, i.e. a `gossip` or `node` table); others are errors.
+    `averaging = "auto"` is resolved here by the *charged* model's FLOPs per sample and
+    travelling coordinate, as a real node of that model resolves it (the proxy's own
+    learners would resolve it by the proxy's)."""
     params = {k: v for k, v in params.items() if k not in ("gossip", "node")} | {
         k: v for table in ("gossip", "node") for k, v in dict(params.get(table, {})).items()}
     gossip_fields = {f.name for f in dataclasses.fields(GossipConfig)}
@@ -85,6 +88,7 @@ def split_params(params: dict) -> tuple[GossipConfig, NodeConfig]:
     if unknown:
         raise ValueError(f"gossip method: unknown knob(s) {', '.join(unknown)}")
     gossip = GossipConfig(**{k: v for k, v in params.items() if k in gossip_fields})
+    gossip = dataclasses.replace(gossip, averaging=gossip.averaging_mode(flops_per_coordinate))
     # a simulated machine waits for no peer count (min_peers 0) unless the method says so;
     # it still joins as a real node does (FetchCheckpoint before its first step)
     node_knobs = {"min_peers": 0, **{k: v for k, v in params.items() if k in node_fields}}
@@ -124,7 +128,9 @@ class GossipSim:
         self.training = world.training
         self.method = method
         self.proto = proto_config(world.scenario)
-        _, self.node_config = split_params(method.params)
+        charged = world.charged
+        _, self.node_config = split_params(method.params,
+                                           charged.flops_per_sample / charged.params)
         self.recorder = Recorder(method.name, method.kind, method.params,
                                  world.scenario.target_loss)
         self.machines = [Machine(m) for m in world.members]

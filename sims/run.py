@@ -28,7 +28,15 @@ SIMULATORS = {"gossip": GossipSim, "coordinator": CoordinatorSim, "allreduce": R
 
 
 def run_method(scenario: Scenario, method: Method, seed: int) -> dict[str, Any]:
-    """One method of a training scenario, in a fresh world."""
+    """One method of a training scenario, in a fresh world. A method's `lr` replaces the
+    scenario's `[train] lr` for it alone (each method at its own best learning rate)."""
+    if "lr" in method.params:
+        params = dict(method.params)
+        lr = params.pop("lr")
+        if not isinstance(lr, int | float) or not 0 < lr < 1:
+            raise ValueError(f"method {method.name}: lr must be a number in (0, 1), not {lr!r}")
+        scenario = scenario.replace(train={**scenario.train, "lr": float(lr)})
+        method = Method(method.name, method.kind, params)
     training = Training(scenario)
     world = World(scenario, seed, training)
     sim = SIMULATORS[method.kind](world, method)

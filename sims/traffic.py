@@ -129,8 +129,10 @@ class GossipTraffic:
                            **p.get("codec_params", dict(base.codec_params)))
         self.fanout = int(p.get("fanout", base.fanout))
         self.push_bytes = vector_bytes(codec, n) + HEADER_BYTES
-        plan = AveragingPlan.from_mode(n, p.get("averaging", base.averaging),
-                                       float(p.get("subset_fraction", base.subset_fraction)))
+        asked = dataclasses.replace(base, averaging=p.get("averaging", base.averaging))
+        mode = asked.averaging_mode(world.charged.flops_per_sample / n)  # auto: as a node would
+        plan = AveragingPlan.from_mode(n, mode, float(p.get("subset_fraction",
+                                                            base.subset_fraction)))
         self.average_bytes = vector_bytes(plan.codec(), plan.capacity) + HEADER_BYTES
         self.average_every = int(p.get("average_every", base.average_every))
         self.average_timeout = float(p.get("average_timeout", NodeConfig().average_timeout))

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from p2ptrain.config import resolve, settings_of
-from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.models.lora import LoRAConfig, lora_sizes
+from p2ptrain.models.presets import PRESETS
+from p2ptrain.models.rwkv import RWKVConfig
+from p2ptrain.proto.gossip.config import AUTO, AUTO_FULL_FLOPS, GossipConfig, flops_per_coordinate
 from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
 from p2ptrain.proto.gossip.mixer import STEP_FLOOR, GradientMixer, SwarmRate
 from p2ptrain.proto.gossip.peers import MIN_BANDWIDTH_BYTES, PeerStats, PeerTable, give_up_seconds
@@ -300,3 +303,40 @@ def test_the_traffic_model_gives_up_long_exchanges_later_and_completes_them():
     for row in (fixed, scaled):  # what is still in flight at the end is not given up
         started, open_at_end = row["averages_across_sites"][0], row["averages_open_at_end"]
         assert open_at_end > 0 and row["averages_given_up"] < started
+
+
+class _Heavier:
+    """A model that computes `factor` times as much per sample (LoRA on a big frozen base:
+    the same travelling vector, far more FLOPs), otherwise the learner's own."""
+
+    def __init__(self, model, factor: float):
+        self._model, self._factor = model, factor
+
+    def flops_per_token(self) -> float:
+        return self._model.flops_per_token() * self._factor
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_auto_averaging_covers_everything_only_where_compute_dwarfs_the_exchange():
+    """`averaging = "auto"` (the default): a subset in fp16 for a fully trained model (~6 x
+    ctx_len FLOPs per coordinate and sample); every coordinate in fp16 once the model computes
+    AUTO_FULL_FLOPS per travelling coordinate (rank-16 LoRA on the seed-1b base: 19,470)."""
+    config = GossipConfig()
+    assert config.averaging == AUTO
+    plain = GossipTrainer(config, learner("a" * 16), np.random.default_rng(1),
+                          average_timeout=FLOOR, chunk_elems=1 << 20)
+    n = plain.learner.model.space.n_params
+    per = flops_per_coordinate(plain.learner.model, n)
+    assert per < AUTO_FULL_FLOPS and (plain.plan.fraction, plain.plan.values) == (0.1, "fp16")
+    heavy = learner("b" * 16)
+    heavy.model = _Heavier(heavy.model, 2 * AUTO_FULL_FLOPS / per)
+    full = GossipTrainer(config, heavy, np.random.default_rng(1), average_timeout=FLOOR,
+                         chunk_elems=1 << 20)
+    assert (full.plan.fraction, full.plan.values) == (1.0, "fp16")
+    seed1b = RWKVConfig(**dict(zip(("n_layer", "n_embd"), PRESETS["seed-1b"], strict=True)),
+                        vocab_size=50277)
+    params, flops = lora_sizes(seed1b, LoRAConfig(rank=16))
+    assert config.averaging_mode(flops * seed1b.ctx_len / params) == "fp16"
+    assert GossipConfig(averaging="subset").averaging_mode(1e9) == "subset"  # set by hand

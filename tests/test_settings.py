@@ -13,6 +13,7 @@ from p2ptrain.config import OPTIONS, ConfigError, resolve, settings_of
 from p2ptrain.options import option_meta
 from p2ptrain.proto import GossipConfig, NodeConfig
 from p2ptrain.settings import SECTIONS, TrainConfig
+from sims.charge import ModelSize
 from sims.fleet import train_settings
 from sims.gossip import split_params
 from sims.scenario import load as load_scenario
@@ -65,12 +66,26 @@ def test_a_node_toml_section_pastes_into_a_simulator_method():
                               "[node]\naverage_timeout = 30.0\n")
     flat = {**node_toml["gossip"], **node_toml["node"]}
     for params in (flat, node_toml):  # pasted under [[methods]] as keys, or as tables
-        gossip, node = split_params(params)
+        gossip, node = split_params(params, 384.0)
         assert (gossip.fanout, gossip.average_every) == (1, 3)
         assert gossip.codec_params == {"fraction": 0.003}
         assert node.average_timeout == 30.0
+        assert gossip.averaging == "subset_fp16"  # auto, for a fully trained model
     with pytest.raises(ValueError, match="fanot"):
-        split_params({"gossip": {"fanot": 1}})
+        split_params({"gossip": {"fanot": 1}}, 384.0)
+
+
+def test_auto_averaging_is_resolved_by_the_charged_models_compute_per_coordinate():
+    """A simulated method with the default (auto) averages as a node of the charged model
+    would: LoRA on a big base covers every coordinate, full training a 10% subset; a mode
+    set by hand is kept."""
+    lora, full = (s.charge for s in (load_scenario("seed-1b-lora"), load_scenario("seed-100m")))
+    per = {name: ModelSize.from_spec(spec) for name, spec in (("lora", lora), ("full", full))}
+    modes = {name: split_params({}, m.flops_per_sample / m.params)[0].averaging
+             for name, m in per.items()}
+    assert modes == {"lora": "fp16", "full": "subset_fp16"}, modes
+    fixed, _ = split_params({"averaging": "subset"}, per["lora"].flops_per_sample / 1.0)
+    assert fixed.averaging == "subset"
 
 
 def test_a_scenario_train_table_uses_the_node_keys():

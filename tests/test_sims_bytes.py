@@ -47,6 +47,7 @@ from p2ptrain.models.rwkv import RWKV, RWKVConfig
 from p2ptrain.net.sent import SentByKind
 from p2ptrain.proto import GossipConfig, wire
 from p2ptrain.proto.gossip.averaging import SUBSET_BLOCK
+from p2ptrain.proto.gossip.config import flops_per_coordinate
 from sims.fleet import Training, World
 from sims.gossip import GossipSim
 from sims.scenario import parse
@@ -183,7 +184,7 @@ def test_simulator_and_real_nodes_send_the_same_bytes_per_exchange(tmp_path):
     n = RWKV(SHAPE).space.n_params
     assert n % SUBSET_BLOCK == 0
     config = GossipConfig(**GOSSIP)
-    plan = config.averaging_plan(n)
+    plan = config.averaging_plan(n, flops_per_coordinate(RWKV(SHAPE), n))
     chunk = {"AverageRequest": total_encoded_size(plan.codec(), plan.capacity),
              "AverageReply": total_encoded_size(plan.codec(), plan.capacity),
              "GradientPush": total_encoded_size(config.make_codec(), n)}

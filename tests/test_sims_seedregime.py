@@ -4,6 +4,8 @@ LoRA mode: batch 1 on the Pis, both fit a 4 GB Pi), and the table over several s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sims import metrics, report, run
@@ -19,7 +21,7 @@ def test_base_scenario_is_inherited_and_overridden(tmp_path):
     assert lora.model == fleet.model and lora.train["lr"] == fleet.train["lr"]
     assert lora.train["warmup_samples"] == 200 < fleet.train["warmup_samples"]  # replaced
     assert lora.charge["lora_rank"] == 16 and lora.stop_at_target and not fleet.stop_at_target
-    assert [m.kind for m in lora.methods] == ["gossip"] * 3 + ["coordinator", "allreduce",
+    assert [m.kind for m in lora.methods] == ["gossip"] * 5 + ["coordinator", "allreduce",
                                                                  "solo"]
     churn = load("seed-1b-lora-churn")
     assert churn.churn.failures and churn.charge == lora.charge
@@ -93,3 +95,19 @@ def test_seeds_table_medians_and_ratios():
     assert "| 20 s | 400 | 2.00 | – |" in gossip  # the coordinator reached it once in three
     coord = next(line for line in lines if "| c |" in line)
     assert "not reached" in coord.split("|")[5]
+
+
+def test_a_methods_lr_replaces_the_scenarios_for_it_alone():
+    """`lr` in a method table: that method trains at its own learning rate (each method of the
+    seed-regime tables at its best); the scenario's stays for the others."""
+    ci = load("ci").replace(duration=4.0, stop_at_target=False)
+    solo = next(m for m in ci.methods if m.kind == "solo")
+    own = run.run_method(ci, solo, 1)
+    same = run.run_method(ci, replace(solo, params={**solo.params, "lr": ci.train["lr"]}), 1)
+    other = run.run_method(ci, replace(solo, params={**solo.params,
+                                                     "lr": ci.train["lr"] * 4}), 1)
+    assert same["curve"] == own["curve"]
+    assert other["curve"][-1][1] != own["curve"][-1][1]
+    for bad in (0, 1.5, "fast", True):
+        with pytest.raises(ValueError, match="lr must be"):
+            run.run_method(ci, replace(solo, params={**solo.params, "lr": bad}), 1)

@@ -60,6 +60,7 @@ from p2ptrain.proto import wire
 from p2ptrain.proto.control import Control
 from p2ptrain.proto.events import Deliver, Discovered, Received, RemoteError, Send, Tick
 from p2ptrain.proto.gossip.averaging import ParameterAverager, read_snapshot
+from p2ptrain.proto.gossip.config import flops_per_coordinate
 from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
 from p2ptrain.proto.messages import (
     Claim,
@@ -108,7 +109,9 @@ class Hostile:
         self.reign_until = 0.0
         # the poisoned replica: every value the largest finite fp16
         self.poison = np.full_like(self.learner.params, FP16_MAX)
-        plan = self.settings.gossip.averaging_plan(int(self.poison.shape[0]))
+        n = int(self.poison.shape[0])
+        plan = self.settings.gossip.averaging_plan(n, flops_per_coordinate(self.learner.model,
+                                                                           n))
         self.averager = ParameterAverager(plan, self.settings.node.chunk_elems or DEFAULT_CHUNK)
         self.plan = plan
         self._write_wrecked_checkpoint()

@@ -18,8 +18,9 @@ For each shape:
    file pages vs anonymous memory, from /proc/self/status) and the time spent widening the
    base (--profile: the whole step broken down by function);
 3. bytes of one averaging exchange (one side's snapshot as it travels: messages with their
-   headers) of the adapter vector and of the full model's, as dense fp32 and as the default
-   plan (gossip.averaging = subset_fp16: a seeded tenth in fp16);
+   headers) of the adapter vector and of the full model's, as dense fp32 and as the subset
+   plan (gossip.averaging = subset_fp16: a seeded tenth in fp16; `auto`, the default, takes
+   it for full training and averages every adapter in fp16 in LoRA mode);
 4. full training of the same shape (float32 weights, gradient, AdamW's moments; the same
    loop) measured the same way where memplan's prediction fits in the machine's available
    memory with room to spare (--full auto), else memplan's figure.
@@ -193,13 +194,13 @@ def run_timed(args: list[str]) -> tuple[dict, int]:
 
 
 def exchange_bytes(n: int) -> dict[str, int]:
-    """Wire bytes of one side's averaging snapshot of an n-vector: dense fp32 and the default
+    """Wire bytes of one side's averaging snapshot of an n-vector: dense fp32 and the subset
     plan (all its parts; the subset for seed 0)."""
     from p2ptrain.codecs import make_codec
     from p2ptrain.codecs.wire import total_encoded_size
     from p2ptrain.proto.gossip.config import GossipConfig
 
-    plan = GossipConfig().averaging_plan(n)
+    plan = GossipConfig(averaging="subset_fp16").averaging_plan(n, 0.0)
     codec, seed = plan.codec(), 0
     default = sum(total_encoded_size(codec, hi - lo)
                   for lo, hi in (plan.part_range(seed, p) for p in range(plan.parts(seed))))

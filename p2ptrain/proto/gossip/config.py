@@ -19,6 +19,21 @@ from p2ptrain.options import option
 from p2ptrain.proto.gossip.averaging import AVERAGING_MODES, DEFAULT_PART, AveragingPlan
 from p2ptrain.proto.gossip.guard import DistanceGuard
 
+# `averaging = "auto"` (issue 17, BENCHMARKS §16): a model that computes this many FLOPs per
+# sample for every coordinate of the vector that travels averages all of it. Full training
+# computes ~6 x ctx_len per parameter (384 at the default rwkv's 64 tokens, 100M alike);
+# rank-16 LoRA on the seed-1b base 19,470: there an exchange of every adapter in fp16 costs
+# little next to a step, and it reached the target 1.4x sooner than a 10% subset.
+AUTO = "auto"
+AUTO_FULL_FLOPS = 2000.0
+
+
+def flops_per_coordinate(model: Any, n: int) -> float:
+    """FLOPs of one training sample (forward and backward) per coordinate of the flat vector
+    of `n` that travels: what `averaging = "auto"` is decided by."""
+    return float(model.flops_per_token()) * int(model.ctx_len) / max(int(n), 1)
+
+
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd")
 FRACTION_CODECS = ("topk", "randomk")  # codecs that send a share of the coordinates
 
@@ -38,8 +53,11 @@ class GossipConfig:
                          "simulator): parameter averaging only", minimum=0)
     average_every: int = option(5, "local steps between parameter averagings; 0: never",
                                 minimum=0)
-    averaging: str = option("subset_fp16", "averaging exchange: all coordinates or a seeded "
-                            "subset, in fp32 or fp16", choices=tuple(AVERAGING_MODES))
+    averaging: str = option(AUTO, "averaging exchange: all coordinates or a seeded subset, "
+                            "in fp32 or fp16; auto: all coordinates in fp16 (`fp16`) when "
+                            "the model computes at least AUTO_FULL_FLOPS per coordinate that "
+                            "travels and sample (LoRA on a big frozen base), else "
+                            "`subset_fp16`", choices=(AUTO, *AVERAGING_MODES))
     subset_fraction: float = option(0.1, "share of coordinates a subset averaging exchange "
                                     "covers", minimum=0)
     average_part: int = option(DEFAULT_PART, "coordinates per averaging message: a big "
@@ -146,7 +164,7 @@ class GossipConfig:
             "queue_vectors": self.queue_vectors >= 1,
             "queue_bytes": self.queue_bytes >= 1,
             "average_every": self.average_every >= 0,
-            "averaging": self.averaging in AVERAGING_MODES,
+            "averaging": self.averaging == AUTO or self.averaging in AVERAGING_MODES,
             "subset_fraction": 0.0 < self.subset_fraction <= 1.0,
             "average_part": self.average_part >= 1,
             "average_pull_max": 0.5 <= self.average_pull_max < 1,
@@ -178,6 +196,14 @@ class GossipConfig:
         return DistanceGuard(self.distance_multiple, self.distance_window, self.max_distance,
                              self.distance_patience, self.min_distance)
 
-    def averaging_plan(self, n: int) -> AveragingPlan:
-        return AveragingPlan.from_mode(n, self.averaging, self.subset_fraction,
-                                       self.average_part)
+    def averaging_mode(self, flops_per_coordinate: float) -> str:
+        """The averaging mode in force: `averaging`, with auto resolved by the model's FLOPs
+        per sample for each coordinate of the flat vector (the one that travels). Every
+        node of a swarm has the same model, so every node resolves auto alike."""
+        if self.averaging != AUTO:
+            return self.averaging
+        return "fp16" if flops_per_coordinate >= AUTO_FULL_FLOPS else "subset_fp16"
+
+    def averaging_plan(self, n: int, flops_per_coordinate: float) -> AveragingPlan:
+        return AveragingPlan.from_mode(n, self.averaging_mode(flops_per_coordinate),
+                                       self.subset_fraction, self.average_part)

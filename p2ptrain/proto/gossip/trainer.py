@@ -55,7 +55,7 @@ from p2ptrain.proto.gossip.averaging import (
     pull_share,
     read_snapshot,
 )
-from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.config import GossipConfig, flops_per_coordinate
 from p2ptrain.proto.gossip.messages import (
     AverageReply,
     AverageRequest,
@@ -125,7 +125,7 @@ class GossipTrainer:
         # pseudo-gradients are mixed once a round, whatever the swarm trained meanwhile
         self.mixer = GradientMixer(config if self.outer is None else replace(
             config, max_staleness_samples=OUTER_STALENESS), n)
-        self.plan = config.averaging_plan(n)
+        self.plan = config.averaging_plan(n, flops_per_coordinate(learner.model, n))
         self.initiator = ParameterAverager(self.plan, chunk_elems)  # exchanges we open
         self.responder = ParameterAverager(self.plan, chunk_elems)  # exchanges we answer
         self.peers = PeerTable()  # RTT and bandwidth per peer: how push targets are chosen
