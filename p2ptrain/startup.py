@@ -28,6 +28,7 @@ from p2ptrain.identity import Identity, load_or_create
 from p2ptrain.learner import Learner
 from p2ptrain.models import Model, build_model, hf
 from p2ptrain.proto import MemberInfo
+from p2ptrain.proto.gossip.config import AUTO, AUTO_FULL_FLOPS, flops_per_coordinate
 from p2ptrain.report import Reporter
 from p2ptrain.settings import Settings
 from p2ptrain.statelock import lock_state_dir
@@ -114,6 +115,8 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
         f"{'bytes' if corpus.tokenizer_json is None else 'tokens'})"
         + (", alone" if alone else ""), event="start", node_id=identity.node_id,
         model=model.name, params=model.space.n_params, batch=batch)
+    if not alone:
+        reporter.info(averaging_text(settings, model), event="averaging_plan")
 
     ckroot = state_dir / "checkpoints"
     for stale in checkpoint.stale_temporaries(ckroot):
@@ -138,6 +141,22 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
         reporter.info(f"weights from {hf_dir}", event="init_from", path=str(hf_dir))
     term = found.manifest.term if found.manifest is not None else 0
     return Prepared(identity, learner, ckroot, hw, term)
+
+
+def averaging_text(settings: Settings, model: Model) -> str:
+    """What this node's parameter averaging sends, `gossip.averaging = "auto"` resolved."""
+    gossip, n = settings.gossip, model.space.n_params
+    if gossip.average_every == 0:
+        return "parameter averaging: off (gossip.average_every = 0)"
+    per = flops_per_coordinate(model, n)
+    plan = gossip.averaging_plan(n, per)
+    covers = ("every coordinate" if plan.fraction >= 1.0
+              else f"a seeded {plan.fraction:.0%} of the coordinates")
+    why = (f" (auto: {per:,.0f} FLOPs per sample and travelling coordinate, "
+           f"{'at least' if plan.fraction >= 1.0 else 'under'} {AUTO_FULL_FLOPS:,.0f})"
+           if gossip.averaging == AUTO else "")
+    return (f"parameter averaging: {covers} in {plan.values} with one peer every "
+            f"{gossip.average_every} steps{why}")
 
 
 def model_for(settings: Settings, corpus: Corpus, reporter: Reporter | None = None

@@ -340,3 +340,21 @@ def test_auto_averaging_covers_everything_only_where_compute_dwarfs_the_exchange
     params, flops = lora_sizes(seed1b, LoRAConfig(rank=16))
     assert config.averaging_mode(flops * seed1b.ctx_len / params) == "fp16"
     assert GossipConfig(averaging="subset").averaging_mode(1e9) == "subset"  # set by hand
+
+
+def test_the_start_log_says_what_auto_averaging_resolved_to():
+    from p2ptrain.models import build_model
+    from p2ptrain.startup import averaging_text
+
+    settings = settings_of(resolve(None, {}, {}))
+    model = build_model("rwkv")
+    text = averaging_text(settings, model)
+    assert "a seeded 10% of the coordinates in fp16" in text and "every 5 steps" in text
+    assert "(auto: 375 FLOPs" in text and "under 2,000" in text, text
+    heavy = _Heavier(model, 10.0)
+    assert "every coordinate in fp16" in averaging_text(settings, heavy)
+    off = settings_of(resolve(None, {}, {"gossip.average_every": 0}))
+    assert averaging_text(off, model).endswith("off (gossip.average_every = 0)")
+    fixed = settings_of(resolve(None, {}, {"gossip.averaging": "full"}))
+    assert averaging_text(fixed, heavy).endswith("every coordinate in fp32 with one peer every "
+                                                 "5 steps")

@@ -55,9 +55,9 @@ class GossipConfig:
                                 minimum=0)
     averaging: str = option(AUTO, "averaging exchange: all coordinates or a seeded subset, "
                             "in fp32 or fp16; auto: all coordinates in fp16 (`fp16`) when "
-                            "the model computes at least AUTO_FULL_FLOPS per coordinate that "
-                            "travels and sample (LoRA on a big frozen base), else "
-                            "`subset_fp16`", choices=(AUTO, *AVERAGING_MODES))
+                            f"the model computes at least {AUTO_FULL_FLOPS:,.0f} FLOPs per "
+                            "sample for each coordinate that travels (LoRA on a big frozen "
+                            "base), else `subset_fp16`", choices=(AUTO, *AVERAGING_MODES))
     subset_fraction: float = option(0.1, "share of coordinates a subset averaging exchange "
                                     "covers", minimum=0)
     average_part: int = option(DEFAULT_PART, "coordinates per averaging message: a big "

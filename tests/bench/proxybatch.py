@@ -1,0 +1,125 @@
+"""How much the simulator's proxy gains from pooling samples (issue 17: can the seed-regime
+tables show a fleet ahead of one server at all?).
+
+    python -m tests.bench.proxybatch [--scenario seed-1b-lora] [--target 2.2] [--seed 1]
+                                     [--batches 1,4,16] [--lrs 4e-3,8e-3,16e-3]
+                                     [--replicas 3,8] [--every 1,10] [--max-steps 4000]
+
+The scenario's proxy model (sims/fleet.py `Training`: the model, corpus, held-out windows and
+[train] settings a simulated node uses), trained here in one process with p2ptrain's own
+Learner, no simulator:
+
+1. one learner at each batch and learning rate: steps (and samples) until the held-out loss
+   is at or below the target, checked every 25 steps -- a batch that needs B times fewer
+   steps than batch 1 pools its samples for free, one that needs more samples has passed the
+   proxy's critical batch;
+2. R replicas at batch 1 (the same start, their own data) whose parameters are replaced by
+   their mean every k steps: steps until the mean reaches the target. R replicas averaged
+   every step at the fleet's step rate is the ceiling of what parameter averaging can do.
+
+It prints one line per run; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import numpy as np
+
+from p2ptrain.learner import Learner
+from sims.fleet import Training
+from sims.scenario import load
+
+CHECK_EVERY = 25  # steps between held-out evaluations
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def steps_alone(training: Training, batch: int, lr: float, target: float,
+                max_steps: int) -> tuple[int | None, float]:
+    """(steps to the target or None, the last held-out loss) of one learner."""
+    settings = dataclasses.replace(training.settings, lr=lr)
+    learner = Learner(training.model, "a1", settings, training.corpus, batch, 1, 1)
+    loss = float("inf")
+    for step in range(1, max_steps + 1):
+        learner.train_step()
+        if step % CHECK_EVERY == 0:
+            loss = training.heldout_loss(learner.params)
+            if loss <= target:
+                return step, loss
+    return None, loss
+
+
+def steps_averaged(training: Training, replicas: int, every: int, lr: float, target: float,
+                   max_steps: int) -> tuple[int | None, float]:
+    """(steps to the target or None, the last loss) of `replicas` batch-1 learners whose
+    parameters are replaced by their mean every `every` steps (the mean is evaluated)."""
+    settings = dataclasses.replace(training.settings, lr=lr)
+    learners = [Learner(training.model, f"a{i + 1}", settings, training.corpus, 1, 1, 1)
+                for i in range(replicas)]
+    for other in learners[1:]:
+        np.copyto(other.params, learners[0].params)
+    mean = np.empty_like(learners[0].params)
+    loss = float("inf")
+    for step in range(1, max_steps + 1):
+        for learner in learners:
+            learner.train_step()
+        if step % every == 0 or step % CHECK_EVERY == 0:
+            np.copyto(mean, learners[0].params)
+            for learner in learners[1:]:
+                mean += learner.params
+            mean /= replicas
+            if step % every == 0:
+                for learner in learners:
+                    np.copyto(learner.params, mean)
+        if step % CHECK_EVERY == 0:
+            loss = training.heldout_loss(mean)
+            if loss <= target:
+                return step, loss
+    return None, loss
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", default="seed-1b-lora")
+    parser.add_argument("--target", type=float, default=None,
+                        help="held-out loss to reach (default: the scenario's target)")
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--lrs", default="4e-3,8e-3,16e-3")
+    parser.add_argument("--replicas", default="3,8", help="replica counts to average")
+    parser.add_argument("--every", default="1,10", help="steps between averagings")
+    parser.add_argument("--max-steps", type=int, default=4000)
+    args = parser.parse_args(argv)
+    scenario = load(args.scenario)
+    target = args.target if args.target is not None else scenario.target_loss
+    training = Training(scenario)
+    print(f"proxy of {args.scenario}: {training.model.space.n_params:,} parameters, target "
+          f"{target}, evaluated every {CHECK_EVERY} steps on {len(training.heldout)} windows")
+    for batch in _ints(args.batches):
+        for lr in _floats(args.lrs):
+            t0 = time.perf_counter()
+            steps, loss = steps_alone(training, batch, lr, target, args.max_steps)
+            samples = "-" if steps is None else f"{steps * batch:,}"
+            print(f"alone      batch {batch:3d} lr {lr:g}: steps {steps} samples {samples} "
+                  f"(last loss {loss:.3f}, {time.perf_counter() - t0:.0f} s)", flush=True)
+    for replicas in _ints(args.replicas):
+        for every in _ints(args.every):
+            for lr in _floats(args.lrs):
+                t0 = time.perf_counter()
+                steps, loss = steps_averaged(training, replicas, every, lr, target,
+                                             args.max_steps)
+                print(f"averaged   {replicas} replicas every {every:2d} lr {lr:g}: steps "
+                      f"{steps} (last loss {loss:.3f}, {time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
