@@ -204,7 +204,7 @@ def exchange_bytes(n: int) -> dict[str, int]:
     codec, seed = plan.codec(), 0
     default = sum(total_encoded_size(codec, hi - lo)
                   for lo, hi in (plan.part_range(seed, p) for p in range(plan.parts(seed))))
-    return {"dense_fp32": total_encoded_size(make_codec("none"), n), "default": default,
+    return {"dense_fp32": total_encoded_size(make_codec("none"), n), "subset_fp16": default,
             "covered": plan.covered(seed)}
 
 
@@ -297,9 +297,9 @@ def report(r: dict) -> list[str]:
     el, ef = r["exchange_lora"], r["exchange_full"]
     lines += [
         f"averaging exchange, one side: adapters dense fp32 {el['dense_fp32'] / mb:,.1f} MB, "
-        f"default plan {el['default'] / mb:,.2f} MB; full dense fp32 "
-        f"{ef['dense_fp32'] / mb:,.1f} MB, default {ef['default'] / mb:,.1f} MB; "
-        f"adapters/full {el['default'] / ef['default']:.4f} (block matrices "
+        f"10% subset fp16 {el['subset_fp16'] / mb:,.2f} MB; full dense fp32 "
+        f"{ef['dense_fp32'] / mb:,.1f} MB, subset {ef['subset_fp16'] / mb:,.1f} MB; "
+        f"adapters/full {el['subset_fp16'] / ef['subset_fp16']:.4f} (block matrices "
         f"{r['block_ratio']:.4f}, 20r/13C = {r['block_ratio_formula']:.4f})",
         f"FLOPs/token: LoRA {r['lora_flops'] / 1e9:.2f} G, full {r['full_flops'] / 1e9:.2f} G",
     ]
