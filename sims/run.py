@@ -30,6 +30,7 @@ SIMULATORS = {"gossip": GossipSim, "coordinator": CoordinatorSim, "allreduce": R
 def run_method(scenario: Scenario, method: Method, seed: int) -> dict[str, Any]:
     """One method of a training scenario, in a fresh world. A method's `lr` replaces the
     scenario's `[train] lr` for it alone (each method at its own best learning rate)."""
+    lr = None
     if "lr" in method.params:
         params = dict(method.params)
         lr = params.pop("lr")
@@ -42,7 +43,10 @@ def run_method(scenario: Scenario, method: Method, seed: int) -> dict[str, Any]:
     sim = SIMULATORS[method.kind](world, method)
     if scenario.stop_at_target:
         sim.recorder.stop = world.engine.stop
-    return sim.run()
+    result = sim.run()
+    if lr is not None:
+        result["params"] = {**result["params"], "lr": float(lr)}  # results.json says it
+    return result
 
 
 def fleet_summary(scenario: Scenario, seed: int) -> dict[str, Any]:

@@ -106,7 +106,7 @@ def test_a_methods_lr_replaces_the_scenarios_for_it_alone():
     same = run.run_method(ci, replace(solo, params={**solo.params, "lr": ci.train["lr"]}), 1)
     other = run.run_method(ci, replace(solo, params={**solo.params,
                                                      "lr": ci.train["lr"] * 4}), 1)
-    assert same["curve"] == own["curve"]
+    assert same["curve"] == own["curve"] and same["params"]["lr"] == ci.train["lr"]
     assert other["curve"][-1][1] != own["curve"][-1][1]
     for bad in (0, 1.5, "fast", True):
         with pytest.raises(ValueError, match="lr must be"):
