@@ -377,3 +377,25 @@ def test_two_fetchers_starting_together_trade_chunks(tmp_path):
     print(f"leader served {leader.served:,}, a {a.served:,}, b {b.served:,} of "
           f"2 x {manifest.size():,}")
     assert a.served > 0 and b.served > 0 and leader.served < 2 * manifest.size()
+
+
+def test_a_preferred_checkpoint_is_asked_for_by_name_else_the_newest(tmp_path):
+    """A joiner asks the leader for the checkpoint other fetchers are on (`prefer`) while the
+    leader holds it; one the leader no longer holds gives way to its newest; a name that is
+    not a checkpoint name is refused before any request."""
+    older, om = make_checkpoint(tmp_path / "lead", tmp_path)
+    ident = load_or_create(tmp_path / "leader-identity")
+    snap = store.Snapshot(
+        step=12, term=3, swarm_count={ident.node_id: 120}, fingerprint="fp",
+        arch={"model": "test"}, model_tensors=[("w", np.ones((512, 512), np.float32))],
+        state_tensors=[("adam.m", np.ones((256, 256), np.float32))], state_meta={"step": 12})
+    newer = store.save(older.parent, snap, ident, keep=2)
+    assert older.exists() and newer.name > older.name
+    for prefer, expect in ((older.name, older), (mf.checkpoint_name(3, 5), newer),
+                           (None, newer)):
+        leader = Holder("lead", older.parent, TokenBucket(0))
+        got = fetch_once([leader], tmp_path / f"out-{prefer}", om, seed=1, prefer=prefer)
+        assert got.manifest.id == expect.name and same_files(got.path, expect), prefer
+    with pytest.raises(ValueError, match="not a checkpoint name"):
+        fetch_once([Holder("lead", older.parent, TokenBucket(0))], tmp_path / "bad", om,
+                   seed=1, prefer="../ckpt")

@@ -9,7 +9,9 @@ import numpy as np
 
 from p2ptrain.proto import GossipConfig, NodeConfig
 from p2ptrain.proto.events import AdoptCheckpoint, CheckpointFetched, FetchCheckpoint, Joined
-from p2ptrain.proto.joining import Join
+from p2ptrain.proto.joining import Join, sources, swarm_choice
+from p2ptrain.proto.membership.holdings import Holdings
+from p2ptrain.proto.records import Holding
 from tests.cluster.training import TrainingCluster
 from tests.test_node import learner
 
@@ -202,3 +204,42 @@ def test_a_checkpoint_is_judged_against_the_swarm_as_it_was_when_the_fetch_began
     join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",), swarm_loss=1.8)
     join.fetched(600.0, CheckpointFetched("ck", 900, loss=2.58, own_loss=2.0), reference=2.6)
     assert join.refused == "L"  # far worse than the swarm was and than our own: refused
+
+
+def _holding(step: int, term: int = 2) -> Holding:
+    return Holding(term, step, step * 8, f"{term:04x}{step:012x}")
+
+
+def test_a_join_storm_keeps_to_the_checkpoint_the_most_members_hold():
+    """The leader wrote C after two joiners began fetching B: a third joiner takes B (the two
+    fetchers serve what they verified, and the leader still has it) rather than C (the leader
+    alone), and asks the leader for B by name. A newer holding than the
+    leader's, another term's and an unreachable member's do not count; on a tie the newest
+    wins, and alone the leader's own is taken."""
+    b, c = _holding(20), _holding(30)
+    holdings = Holdings("me")
+    members = ["L", "j1", "j2", "far", "odd", "old"]
+    holdings.heard("L", c, members)
+    for node, held in (("j1", b), ("j2", b), ("far", b), ("odd", _holding(40)),
+                       ("old", _holding(10, term=1))):
+        holdings.heard(node, held, members)
+    addr_of = {"L": "l:1", "j1": "a:1", "j2": "b:1", "odd": "o:1", "old": "d:1"}.get
+    assert swarm_choice("L", addr_of, holdings, members) == b
+    # no member list merged yet: the choice waits for one (the driver asks again later);
+    # sources of a known digest (a fetch under way polling for more) do not
+    assert sources("L", None, addr_of, holdings, members, 8) == ()
+    assert sources("L", b.digest, addr_of, holdings, members, 8) == ("l:1", "a:1", "b:1")
+    holdings.merge({}, members)
+    assert sources("L", None, addr_of, holdings, members, 8) == ("l:1", "a:1", "b:1")
+    holdings.heard("j2", c, members)  # now one each beside the leader: the newest
+    assert swarm_choice("L", addr_of, holdings, members) == c
+    alone = Holdings("me")
+    alone.heard("L", c, ["L"])
+    assert swarm_choice("L", addr_of, alone, ["L"]) == c
+    assert swarm_choice("L", addr_of, Holdings("me"), members) is None
+    join = _join(0.0, 0, 5.0, 3, 1.0, 4.0)
+    (fetch,) = join.advance(0.1, "me", "L", lambda lead: ("l:1", "a:1"), None,
+                            lambda lead: b)
+    assert fetch == FetchCheckpoint("L", ("l:1", "a:1"), 1, (2, 20))
+    join = _join(0.0, 0, 5.0, 3, 1.0, 4.0)
+    assert join.advance(0.1, "me", "L", lambda lead: ("l:1",))[0].prefer is None

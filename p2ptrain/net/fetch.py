@@ -3,7 +3,9 @@
     fetch_checkpoint(session, [leader, holder, ...], signer, out_root, expected_leader=...)
 
 1. Hello every source (hello.py: every request names its receiver).
-2. The manifest: `GET /v1/checkpoint` of the first source (the leader); if it cannot answer,
+2. The manifest: `GET /v1/checkpoint/{prefer}` of the first source (the leader) when a name
+   is preferred (the checkpoint other fetchers are on) and the leader holds it whole, else
+   `GET /v1/checkpoint` of the first source (its newest); if it cannot answer,
    the newest one any other source holds that the expected leader signed. It is parsed by
    checkpoint/manifest.py (strict rules, the leader's signature). The other sources are asked
    `GET /v1/checkpoint/{id}`: the same manifest (by digest), and which chunks they hold.
@@ -535,18 +537,23 @@ async def fetch_checkpoint(session: aiohttp.ClientSession, sources: list[str], s
                            progress: Callable[[int, int, int], None] | None = None,
                            more_sources: Callable[[str], Iterable[str]] | None = None,
                            shelf: Shelf | None = None, chunk_retries: int = 8,
-                           timeout: float = 60, seed: int | None = None) -> Fetched:
+                           timeout: float = 60, seed: int | None = None,
+                           prefer: str | None = None) -> Fetched:
     """Fetch the newest checkpoint of `expected_leader` (None: whatever sources[0] serves)
     from `sources` (addresses, the leader's first) into `out_root`; see the module docstring.
-    `progress(bytes_done, bytes_total, sources_in_use)` is called as chunks arrive."""
+    `prefer`: a checkpoint name to ask the leader for first (the one other fetchers are on);
+    if it does not hold it, the newest. `progress(bytes_done, bytes_total, sources_in_use)`
+    is called as chunks arrive."""
     if not sources:
         raise FetchError("no source to fetch a checkpoint from")
     if not set(files) <= set(mf.DATA_FILES) or mf.MODEL_FILE not in files:
         raise ValueError("files must include the weights and name only data files")
+    if prefer is not None and not is_checkpoint_name(prefer):
+        raise ValueError(f"not a checkpoint name: {prefer!r}")
     try:
         return await _fetch(session, list(dict.fromkeys(sources))[:MAX_SOURCES], signer,
                             out_root, expected_leader, files, progress, more_sources, shelf,
-                            chunk_retries, timeout, seed)
+                            chunk_retries, timeout, seed, prefer)
     except (FetchError, PartialError, OSError) as exc:
         where = f"{out_root}: " if isinstance(exc, OSError) else ""
         text = _printable(f"{where}{exc}")  # one line, whatever a peer sent
@@ -554,9 +561,16 @@ async def fetch_checkpoint(session: aiohttp.ClientSession, sources: list[str], s
         raise kind(f"checkpoint fetch from {sources[0]}: {text}") from None
 
 
-async def _manifest(srcs: list[Source], expected: str | None
+async def _manifest(srcs: list[Source], expected: str | None, prefer: str | None = None
                     ) -> tuple[mf.Manifest, Source | None]:
     """The manifest to fetch, and the source that gave it (see step 2)."""
+    leader = srcs[0]
+    if prefer is not None and leader.conn is not None:
+        with contextlib.suppress(NoCheckpoint, _Retry, _Drop, FetchError):
+            _, manifest, have = await _describe(leader.conn, prefer)
+            if have is None and (expected is None or manifest.leader == expected):
+                leader.have = have
+                return manifest, leader  # whole at the leader, signed by it
     reasons: list[str] = []
     none_held = True
     for i, src in enumerate(srcs):
@@ -598,12 +612,13 @@ async def _manifest(srcs: list[Source], expected: str | None
 
 async def _fetch(session, addrs: list[str], signer: Signer, out_root: Path,
                  expected: str | None, files: tuple[str, ...], progress, more, shelf,
-                 retries: int, timeout: float, seed: int | None) -> Fetched:
+                 retries: int, timeout: float, seed: int | None,
+                 prefer: str | None) -> Fetched:
     srcs = [Source(a) for a in addrs]
     await asyncio.gather(*(_connect(session, s, signer, timeout) for s in srcs))
     if len(srcs) == 1 and srcs[0].conn is None:
         raise FetchError(srcs[0].dropped)
-    manifest, giver = await _manifest(srcs, expected)
+    manifest, giver = await _manifest(srcs, expected, prefer)
     out_root.mkdir(parents=True, exist_ok=True)
     final, partial = out_root / manifest.id, out_root / f"{PARTIAL_PREFIX}{manifest.id}"
     if await asyncio.to_thread(existing, final, manifest, files):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from p2ptrain import checkpoint
+from p2ptrain.checkpoint.manifest import checkpoint_name
 from p2ptrain.net.auth import Signer
 from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, NoCheckpoint, fetch_checkpoint
 from p2ptrain.net.fetchprogress import FetchProgress
@@ -97,7 +98,9 @@ class JoinFetcher:
                                  expected_leader=action.leader, files=(checkpoint.MODEL_FILE,),
                                  progress=bar, shelf=self.shelf,
                                  more_sources=lambda digest: self.holders(action.leader,
-                                                                          digest)),
+                                                                          digest),
+                                 prefer=None if action.prefer is None
+                                 else checkpoint_name(*action.prefer)),
                 FETCH_DEADLINE)
         except NoCheckpoint as exc:
             return CheckpointFetched(None, reason=str(exc), retry=False)

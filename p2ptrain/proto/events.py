@@ -217,6 +217,9 @@ class FetchCheckpoint(Action):
     leader: str  # node id of the leader whose checkpoint is wanted (signs its manifest)
     sources: tuple[str, ...]  # addresses to fetch from
     attempt: int  # 1 for the first try
+    # (term, step) of the checkpoint to ask the leader for (joining.swarm_choice); if the
+    # leader no longer holds it, or None, its newest
+    prefer: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

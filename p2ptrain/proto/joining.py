@@ -18,7 +18,9 @@ Rules it keeps:
   judged by how far the swarm got while a big fetch ran, and one better than our own is
   never refused. The leader whose checkpoint was refused is named (`refused`).
 - The fetch names the leader's address first, then every member that says it holds the same
-  checkpoint (holdings.py): the driver pulls chunks from all of them at once.
+  checkpoint (holdings.py): the driver pulls chunks from all of them at once. Which
+  checkpoint: the leader's that the most members hold (`swarm_choice`), asked for by name, so
+  a join storm stays on one checkpoint while the leader writes newer ones.
 - A failed fetch is retried with exponential back-off (`fetch_backoff` doubling up to
   `fetch_backoff_max`), each time from whoever leads then, at most `fetch_attempts` times;
   a leader that has no checkpoint yet is not asked again (retry False). Then the node
@@ -38,20 +40,53 @@ from p2ptrain.proto.events import (
     Joined,
 )
 from p2ptrain.proto.membership.holdings import Holdings
+from p2ptrain.proto.records import Holding
 
 WAITING, FETCHING, BACKOFF, DONE = "waiting", "fetching", "backoff", "done"
 
 
+def median_loss(losses: Iterable[float | None]) -> float | None:
+    """The median of the losses that are known (None if none is): the swarm's yardstick."""
+    known = sorted(loss for loss in losses if loss is not None)
+    return known[len(known) // 2] if known else None
+
+
+def swarm_choice(leader: str, addr_of: Callable[[str], str | None], holdings: Holdings,
+                 members: Iterable[str]) -> Holding | None:
+    """Which of `leader`'s checkpoints a joiner fetches: of those of its current term and not
+    newer than the one it holds now, the one the most reachable members besides the leader
+    say they hold (whole or in part), the newest on a tie -- with nobody else holding any,
+    the leader's newest. A join storm keeps to one checkpoint when the leader writes a newer
+    one meanwhile (two fetches of different checkpoints share no chunk), and every holder
+    adds upload. How old it may be is bounded by what the leader keeps (`checkpoint.keep`:
+    2 intervals older at most by default): one the leader no longer holds is answered "not
+    held" and the fetch takes the leader's newest. A member that lies about what it holds
+    moves a joiner, at worst, to an older checkpoint the leader still signs. None while the
+    leader says it holds none."""
+    own = holdings.of(leader)
+    if own is None:
+        return None
+    count = {own: 0}
+    for node in sorted(set(members)):
+        held = holdings.of(node) if node != leader and addr_of(node) is not None else None
+        if held is not None and held.term == own.term and held.step <= own.step:
+            count[held] = count.get(held, 0) + 1
+    return max(count, key=lambda h: (count[h], h.step, h.samples, h.digest))
+
+
 def sources(leader: str, digest: str | None, addr_of: Callable[[str], str | None],
             holdings: Holdings, members: Iterable[str], limit: int) -> tuple[str, ...]:
-    """Where to fetch `leader`'s checkpoint with `digest` (None: the one it holds now): its
+    """Where to fetch `leader`'s checkpoint with `digest` (None: `swarm_choice`'s): its
     address first, then (in the order of `members`) the reachable members that say they hold
-    the same one, whole or in part; () while the leader cannot be reached."""
+    the same one, whole or in part; () while the leader cannot be reached, and, to choose
+    (digest None), until a member list has been merged -- a joiner hears of the leader
+    before it hears who else is fetching, and would start on the newest alone."""
     addr = addr_of(leader)
-    if addr is None:
+    if addr is None or (digest is None and not holdings.listings):
         return ()
     if digest is None:
-        holding = holdings.of(leader)
+        members = list(members)
+        holding = swarm_choice(leader, addr_of, holdings, members)
         digest = None if holding is None else holding.digest
     if digest is None:
         return (addr,)
@@ -93,9 +128,11 @@ class Join:
 
     def advance(self, now: float, me: str, leader: str | None,
                 sources_of: Callable[[str], tuple[str, ...]],
-                swarm_loss: float | None = None) -> list[Action]:
+                swarm_loss: float | None = None,
+                choice_of: Callable[[str], Holding | None] | None = None) -> list[Action]:
         """Move on as far as the current view allows (called after every event);
-        `swarm_loss`: what the swarm reports now, the yardstick for what this fetch brings."""
+        `swarm_loss`: what the swarm reports now, the yardstick for what this fetch brings;
+        `choice_of(leader)`: the checkpoint to ask for (`swarm_choice`; None: the newest)."""
         if self.state == BACKOFF and now >= self.retry_at:
             self.state, self.wait_from = WAITING, now
         if self.state != WAITING:
@@ -108,7 +145,9 @@ class Join:
             self.attempt += 1
             self.fetching_from = leader
             self.reference = swarm_loss
-            return [FetchCheckpoint(leader, sources, self.attempt)]
+            choice = choice_of(leader) if choice_of is not None else None
+            prefer = None if choice is None else (choice.term, choice.step)
+            return [FetchCheckpoint(leader, sources, self.attempt, prefer)]
         if now >= self.wait_from + self.timeout:
             if self.attempt:
                 return self._finish(f"no leader to fetch from after {self.attempt} attempts "

@@ -76,7 +76,7 @@ from p2ptrain.proto.events import (
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, AverageReply, AverageRequest
 from p2ptrain.proto.gossip.trainer import GossipTrainer, TooFar
-from p2ptrain.proto.joining import Join, sources
+from p2ptrain.proto.joining import Join, median_loss, sources, swarm_choice
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
 from p2ptrain.proto.offenders import Offenders
 from p2ptrain.proto.records import ALIVE, MemberInfo, holding_doc
@@ -261,8 +261,10 @@ class Node:
                 if type(body) is Ping and body.target == action.to:
                     self._time_ping(now, body.target, body.seq)
         if not self.join.done and self.phase == JOINING:
-            actions += self.join.advance(now, self.node_id, self.control.leader,
-                                         self.sources_of, self._swarm_loss())
+            held = self.control.membership.holdings
+            actions += self.join.advance(
+                now, self.node_id, self.control.leader, self.sources_of, self._swarm_loss(),
+                lambda lead: swarm_choice(lead, self._addr_of, held, self.control.members()))
         for action in list(actions):
             if (type(action) is RemoteError and action.offence and action.sender
                     and action.sender != self.node_id):
@@ -286,9 +288,7 @@ class Node:
 
     def _swarm_loss(self) -> float | None:
         """The median training loss the other members last reported (None if none did)."""
-        losses = sorted(loss for _, loss in self.trainer.peer_progress.values()
-                        if loss is not None)
-        return losses[len(losses) // 2] if losses else None
+        return median_loss(loss for _, loss in self.trainer.peer_progress.values())
 
     def sources_of(self, leader: str, digest: str | None = None) -> tuple[str, ...]:
         """Where to fetch `leader`'s checkpoint (joining.sources), fastest measured first."""

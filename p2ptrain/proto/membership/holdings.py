@@ -25,6 +25,7 @@ class Holdings:
         self.mine: Holding | None = None  # what this node holds (the driver says: Holds)
         self.said: dict[str, Holding] = {}  # member -> what it said itself
         self.relayed: dict[str, Holding] = {}  # member -> what another member relayed
+        self.listings = 0  # member lists merged so far (0: what others hold is not known yet)
 
     def own(self, holding: Holding | None) -> None:
         """The driver says what this node holds now (a local value: checked all the same)."""
@@ -46,6 +47,7 @@ class Holdings:
 
     def merge(self, listing: dict[str, Holding], members: Container[str]) -> None:
         """A member list's holdings, relayed by its sender."""
+        self.listings += 1
         for node_id, holding in listing.items():
             if node_id == self.me or node_id not in members or node_id in self.said:
                 continue
