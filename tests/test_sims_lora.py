@@ -30,7 +30,7 @@ def sweep_doc(charges: list[dict], device: str = "server", **sweep) -> dict:
         "sites": [{"name": "dc"}],
         "nodes": [{"device": device, "count": 2, "site": "dc", "medium": "wired"}],
         "sweep": {"nodes": [4], "charges": charges, **sweep},
-        "methods": [{"name": "gossip", "kind": "gossip"},
+        "methods": [{"name": "gossip", "kind": "gossip", "averaging": "subset_fp16"},
                     {"name": "gossip full", "kind": "gossip", "averaging": "full",
                      "average_every": 1},
                     {"name": "coordinator", "kind": "coordinator", "pull": "fp16"}],
@@ -103,6 +103,19 @@ def test_traffic_per_exchange_shrinks_by_the_adapter_ratio():
         assert "base_params" not in rows[(name, "full")]["charge"]
     table = report.markdown(results)
     assert table.count("adapters (LoRA; base") == 3 and table.count("(full): rwkv(") == 3
+
+
+def test_auto_averaging_covers_every_adapter_in_lora_mode():
+    """The default (`averaging = "auto"`) in traffic mode resolves by the charged model: a 10%
+    subset for the full model, every coordinate for its adapters (LoRA computes far more per
+    travelling coordinate) -- ten times the subset's share of a vector 0.09 the size."""
+    doc = sweep_doc([SMALL, lora(SMALL)])
+    doc["methods"] = [{"name": "auto", "kind": "gossip"},
+                      {"name": "subset", "kind": "gossip", "averaging": "subset_fp16"}]
+    rows = {(r["name"], r["charge"]["mode"]): r["average_bytes"] - traffic.HEADER_BYTES
+            for r in run.run_scenario(parse(doc))["points"]}
+    assert rows[("auto", "full")] == rows[("subset", "full")]
+    assert rows[("auto", "lora")] == pytest.approx(10 * rows[("subset", "lora")], rel=0.02)
 
 
 def test_charges_follow_the_params_points_unchanged():
