@@ -9,7 +9,7 @@ import numpy as np
 
 from p2ptrain.proto import GossipConfig, NodeConfig
 from p2ptrain.proto.events import AdoptCheckpoint, CheckpointFetched, FetchCheckpoint, Joined
-from p2ptrain.proto.joining import Join, sources, swarm_choice
+from p2ptrain.proto.joining import LISTING_GRACE, Join, sources, swarm_choice
 from p2ptrain.proto.membership.holdings import Holdings
 from p2ptrain.proto.records import Holding
 from tests.cluster.training import TrainingCluster
@@ -225,12 +225,8 @@ def test_a_join_storm_keeps_to_the_checkpoint_the_most_members_hold():
         holdings.heard(node, held, members)
     addr_of = {"L": "l:1", "j1": "a:1", "j2": "b:1", "odd": "o:1", "old": "d:1"}.get
     assert swarm_choice("L", addr_of, holdings, members) == b
-    # no member list merged yet: the choice waits for one (the driver asks again later);
-    # sources of a known digest (a fetch under way polling for more) do not
-    assert sources("L", None, addr_of, holdings, members, 8) == ()
-    assert sources("L", b.digest, addr_of, holdings, members, 8) == ("l:1", "a:1", "b:1")
-    holdings.merge({}, members)
     assert sources("L", None, addr_of, holdings, members, 8) == ("l:1", "a:1", "b:1")
+    assert sources("L", b.digest, addr_of, holdings, members, 8) == ("l:1", "a:1", "b:1")
     holdings.heard("j2", c, members)  # now one each beside the leader: the newest
     assert swarm_choice("L", addr_of, holdings, members) == c
     alone = Holdings("me")
@@ -243,3 +239,24 @@ def test_a_join_storm_keeps_to_the_checkpoint_the_most_members_hold():
     assert fetch == FetchCheckpoint("L", ("l:1", "a:1"), 1, (2, 20))
     join = _join(0.0, 0, 5.0, 3, 1.0, 4.0)
     assert join.advance(0.1, "me", "L", lambda lead: ("l:1",))[0].prefer is None
+
+
+def test_a_joiner_waits_a_little_for_its_first_member_list_before_choosing():
+    """It hears of the leader (a header) before it hears who else is fetching what (a member
+    list): it waits for the first list, LISTING_GRACE at most, then chooses with what it
+    knows; the wait never leaves a deadline in the past."""
+    to = lambda lead: ("l:1",)  # noqa: E731
+    join = _join(0.0, 0, 30.0, 3, 1.0, 4.0)
+    assert join.advance(1.0, "me", "L", to, None, None, 0) == []
+    assert join.next_deadline() == 1.0 + LISTING_GRACE
+    (fetch,) = join.advance(2.0, "me", "L", to, None, None, 1)  # the list came
+    assert type(fetch) is FetchCheckpoint and join.next_deadline() is None
+    late = _join(0.0, 0, 30.0, 3, 1.0, 4.0)
+    assert late.advance(1.0, "me", "L", to, None, None, 0) == []
+    assert late.advance(1.0 + LISTING_GRACE / 2, "me", "L", to, None, None, 0) == []
+    assert type(late.advance(1.0 + LISTING_GRACE, "me", "L", to, None, None, 0)[0]) is \
+        FetchCheckpoint  # no list in time: the newest, as before
+    gone = _join(0.0, 0, 30.0, 3, 1.0, 4.0)
+    assert gone.advance(1.0, "me", "L", to, None, None, 0) == []
+    assert gone.advance(1.0 + LISTING_GRACE, "me", "L", lambda lead: (), None, None, 0) == []
+    assert gone.next_deadline() == 30.0  # the leader went away: back to the join timeout

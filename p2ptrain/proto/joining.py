@@ -43,6 +43,10 @@ from p2ptrain.proto.membership.holdings import Holdings
 from p2ptrain.proto.records import Holding
 
 WAITING, FETCHING, BACKOFF, DONE = "waiting", "fetching", "backoff", "done"
+# s a joiner that knows the leader waits for its first member list before choosing what to
+# fetch: it hears of the leader (a header) before it hears who else is fetching what (a
+# list), and would start on the newest alone; past this it chooses with what it knows
+LISTING_GRACE = 5.0
 
 
 def median_loss(losses: Iterable[float | None]) -> float | None:
@@ -78,11 +82,9 @@ def sources(leader: str, digest: str | None, addr_of: Callable[[str], str | None
             holdings: Holdings, members: Iterable[str], limit: int) -> tuple[str, ...]:
     """Where to fetch `leader`'s checkpoint with `digest` (None: `swarm_choice`'s): its
     address first, then (in the order of `members`) the reachable members that say they hold
-    the same one, whole or in part; () while the leader cannot be reached, and, to choose
-    (digest None), until a member list has been merged -- a joiner hears of the leader
-    before it hears who else is fetching, and would start on the newest alone."""
+    the same one, whole or in part; () while the leader cannot be reached."""
     addr = addr_of(leader)
-    if addr is None or (digest is None and not holdings.listings):
+    if addr is None:
         return ()
     if digest is None:
         members = list(members)
@@ -114,6 +116,8 @@ class Join:
         self.loss_tolerance = loss_tolerance  # see `unacceptable`
         self.refused: str | None = None  # the leader whose checkpoint was refused, if any
         self.reference: float | None = None  # the swarm's loss when the fetch began
+        self.listing_wait: float | None = None  # until when to wait for a member list
+        self.listing_waited = False  # the wait for a member list is over (once per join)
 
     @property
     def done(self) -> bool:
@@ -121,6 +125,8 @@ class Join:
 
     def next_deadline(self) -> float | None:
         if self.state == WAITING:
+            if self.listing_wait is not None:
+                return min(self.wait_from + self.timeout, self.listing_wait)
             return self.wait_from + self.timeout
         if self.state == BACKOFF:
             return self.retry_at
@@ -129,10 +135,12 @@ class Join:
     def advance(self, now: float, me: str, leader: str | None,
                 sources_of: Callable[[str], tuple[str, ...]],
                 swarm_loss: float | None = None,
-                choice_of: Callable[[str], Holding | None] | None = None) -> list[Action]:
+                choice_of: Callable[[str], Holding | None] | None = None,
+                listings: int = 1) -> list[Action]:
         """Move on as far as the current view allows (called after every event);
         `swarm_loss`: what the swarm reports now, the yardstick for what this fetch brings;
-        `choice_of(leader)`: the checkpoint to ask for (`swarm_choice`; None: the newest)."""
+        `choice_of(leader)`: the checkpoint to ask for (`swarm_choice`; None: the newest);
+        `listings`: member lists merged so far (none: wait up to LISTING_GRACE for one)."""
         if self.state == BACKOFF and now >= self.retry_at:
             self.state, self.wait_from = WAITING, now
         if self.state != WAITING:
@@ -140,6 +148,13 @@ class Join:
         if leader == me:
             return self._finish("this node leads")
         sources = sources_of(leader) if leader is not None else ()
+        if sources and not listings and not self.listing_waited:
+            if self.listing_wait is None:
+                self.listing_wait = now + LISTING_GRACE
+            if now < self.listing_wait:
+                return []  # the first member list will say who else holds what
+        if self.listing_wait is not None and (listings or now >= self.listing_wait):
+            self.listing_wait, self.listing_waited = None, True
         if sources:
             self.state = FETCHING
             self.attempt += 1

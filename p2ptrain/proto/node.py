@@ -261,10 +261,10 @@ class Node:
                 if type(body) is Ping and body.target == action.to:
                     self._time_ping(now, body.target, body.seq)
         if not self.join.done and self.phase == JOINING:
-            held = self.control.membership.holdings
+            held, members = self.control.membership.holdings, self.control.members
             actions += self.join.advance(
                 now, self.node_id, self.control.leader, self.sources_of, self._swarm_loss(),
-                lambda lead: swarm_choice(lead, self._addr_of, held, self.control.members()))
+                lambda lead: swarm_choice(lead, self._addr_of, held, members()), held.listings)
         for action in list(actions):
             if (type(action) is RemoteError and action.offence and action.sender
                     and action.sender != self.node_id):
