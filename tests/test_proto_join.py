@@ -9,7 +9,7 @@ import numpy as np
 
 from p2ptrain.proto import GossipConfig, NodeConfig
 from p2ptrain.proto.events import AdoptCheckpoint, CheckpointFetched, FetchCheckpoint, Joined
-from p2ptrain.proto.joining import LISTING_GRACE, Join, sources, swarm_choice
+from p2ptrain.proto.joining import LISTING_GRACE, Join, preferred, sources, swarm_choice
 from p2ptrain.proto.membership.holdings import Holdings
 from p2ptrain.proto.records import Holding
 from tests.cluster.training import TrainingCluster
@@ -225,10 +225,12 @@ def test_a_join_storm_keeps_to_the_checkpoint_the_most_members_hold():
         holdings.heard(node, held, members)
     addr_of = {"L": "l:1", "j1": "a:1", "j2": "b:1", "odd": "o:1", "old": "d:1"}.get
     assert swarm_choice("L", addr_of, holdings, members) == b
+    assert preferred("L", addr_of, holdings, members) == b  # older: asked for by name
     assert sources("L", None, addr_of, holdings, members, 8) == ("l:1", "a:1", "b:1")
     assert sources("L", b.digest, addr_of, holdings, members, 8) == ("l:1", "a:1", "b:1")
     holdings.heard("j2", c, members)  # now one each beside the leader: the newest
     assert swarm_choice("L", addr_of, holdings, members) == c
+    assert preferred("L", addr_of, holdings, members) is None  # the leader's: its newest
     alone = Holdings("me")
     alone.heard("L", c, ["L"])
     assert swarm_choice("L", addr_of, alone, ["L"]) == c

@@ -78,6 +78,15 @@ def swarm_choice(leader: str, addr_of: Callable[[str], str | None], holdings: Ho
     return max(count, key=lambda h: (count[h], h.step, h.samples, h.digest))
 
 
+def preferred(leader: str, addr_of: Callable[[str], str | None], holdings: Holdings,
+              members: Iterable[str]) -> Holding | None:
+    """`swarm_choice` when it is an older checkpoint than the one the leader says it holds
+    (ask for it by name), else None (ask the leader for its newest, which may be newer still
+    than what it said)."""
+    choice = swarm_choice(leader, addr_of, holdings, members)
+    return None if choice is None or choice == holdings.of(leader) else choice
+
+
 def sources(leader: str, digest: str | None, addr_of: Callable[[str], str | None],
             holdings: Holdings, members: Iterable[str], limit: int) -> tuple[str, ...]:
     """Where to fetch `leader`'s checkpoint with `digest` (None: `swarm_choice`'s): its
@@ -139,7 +148,7 @@ class Join:
                 listings: int = 1) -> list[Action]:
         """Move on as far as the current view allows (called after every event);
         `swarm_loss`: what the swarm reports now, the yardstick for what this fetch brings;
-        `choice_of(leader)`: the checkpoint to ask for (`swarm_choice`; None: the newest);
+        `choice_of(leader)`: the checkpoint to ask for (`preferred`; None: the newest);
         `listings`: member lists merged so far (none: wait up to LISTING_GRACE for one)."""
         if self.state == BACKOFF and now >= self.retry_at:
             self.state, self.wait_from = WAITING, now

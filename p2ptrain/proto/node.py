@@ -76,7 +76,7 @@ from p2ptrain.proto.events import (
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, AverageReply, AverageRequest
 from p2ptrain.proto.gossip.trainer import GossipTrainer, TooFar
-from p2ptrain.proto.joining import Join, median_loss, sources, swarm_choice
+from p2ptrain.proto.joining import Join, median_loss, preferred, sources
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
 from p2ptrain.proto.offenders import Offenders
 from p2ptrain.proto.records import ALIVE, MemberInfo, holding_doc
@@ -264,7 +264,7 @@ class Node:
             held, members = self.control.membership.holdings, self.control.members
             actions += self.join.advance(
                 now, self.node_id, self.control.leader, self.sources_of, self._swarm_loss(),
-                lambda lead: swarm_choice(lead, self._addr_of, held, members()), held.listings)
+                lambda lead: preferred(lead, self._addr_of, held, members()), held.listings)
         for action in list(actions):
             if (type(action) is RemoteError and action.offence and action.sender
                     and action.sender != self.node_id):
