@@ -131,7 +131,7 @@ class Membership:
         that if this node is outbound-only too: it hears gossip only in replies)."""
         table = self.table
         limit = now - self.config.outbound_timeout * (2 if self.me.outbound_only else 1)
-        for node_id in list(table.outbound_ids):
+        for node_id in sorted(table.outbound_ids):  # not hash order: runs must repeat
             m = table.members.get(node_id)
             if m is not None and m.state == ALIVE and m.heard_at < limit:
                 table.suspect(node_id, now)
