@@ -320,9 +320,10 @@ def test_a_run_repeats_whatever_the_hash_seed():
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     outs = {subprocess.run([sys.executable, "-c", _REPEAT], capture_output=True, text=True,
-                           check=True, timeout=300, cwd=os.getcwd(),
+                           check=True, timeout=300, cwd=Path(__file__).parents[1],
                            env={**os.environ, "PYTHONHASHSEED": str(h)}).stdout
             for h in (1, 2, 3)}
     assert len(outs) == 1, outs

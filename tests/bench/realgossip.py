@@ -60,7 +60,8 @@ BATCHES = (4, 6, 8)  # one node each: unequal sample rates
 HELDOUT_WINDOWS = 512
 POLL = 0.25  # s between status polls (the last one before a node exits is its figure)
 CONFIGS: dict[str, tuple[str, dict | None]] = {  # None: one node alone
-    "A": ("old default (averaging every 5, subset fp16 10%, pull 0.5)", {}),
+    "A": ("old default (averaging every 5, subset fp16 10%, pull 0.5)",
+          {"average_pull_max": 0.5}),  # pinned: the default is rate-weighted (0.9) now
     "B": ("rate-weighted averaging (pull max 0.9)", {"average_pull_max": 0.9}),
     "C": ("rate-weighted averaging every step", {"average_pull_max": 0.9, "average_every": 1}),
     "D": ("outer steps H 20, top-k 5% to 1 peer, no averaging, no rewind",
