@@ -25,6 +25,7 @@ from p2ptrain.data.sampler import shard_seed
 from p2ptrain.models import Model, fingerprint
 from p2ptrain.optim import AdamW, Progress, Schedule, clip_global_norm
 from p2ptrain.options import option
+from p2ptrain.owed8 import Owed8
 from p2ptrain.swarmcount import SwarmCount
 
 EVAL_BATCH = 32  # held-out windows per forward pass, at most (never more than a micro-batch)
@@ -95,7 +96,7 @@ class Learner:
         self.count = SwarmCount()
         self.step = 0  # local steps taken
         self.samples = 0  # local samples trained on
-        self.progress: Progress | None = None  # set by an outer optimiser: steps summed
+        self.progress: Progress | Owed8 | None = None  # set by an outer optimiser: steps summed
 
     @property
     def swarm_samples(self) -> int:

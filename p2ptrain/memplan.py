@@ -16,9 +16,10 @@ Peak resident memory of a node training N float32 parameters:
   with gradient pushes (gossip.fanout > 0):
   + 4 B x N + queue_bytes    the error-feedback residual; the peer gradients waiting
   with outer steps (gossip.outer_every > 0) instead:
-  + 4 B x N + queue_bytes    the round's progress and the error feedback, bfloat16; the
-                             peer pseudo-gradients waiting (2 B x N: gossip.outer_rewind =
-                             false keeps one vector, the error feedback)
+  + 3.02 B x N + queue_bytes the round's progress (bfloat16) and the error feedback (8 bits
+                             and a scale per 256: gossip.outer_feedback_bits; 2 B x N at 16);
+                             the peer pseudo-gradients waiting (gossip.outer_rewind = false
+                             keeps one vector, the error feedback: 1.02 B x N)
 In LoRA mode N is the adapters' count, plus
   + 2 B x the base            the frozen 16-bit base's pages (mapped; shared between nodes)
   + LORA_SCRATCH              base blocks widened to float32, adapter products
@@ -34,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
+from p2ptrain.owed8 import Owed8
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.trainer import held_capacity
 from p2ptrain.settings import NetConfig
@@ -64,7 +66,7 @@ class Footprint:
     averaging: int  # averaging half steps held while a step runs (networked)
     error_feedback: int  # the residual of gradient pushes (fanout > 0)
     push_queue: int  # peer gradients waiting to be mixed (fanout > 0)
-    outer: int = 0  # outer steps: the round's progress and the error feedback, bfloat16
+    outer: int = 0  # outer steps: the round's progress and the error feedback
     base: int = 0  # LoRA: the frozen 16-bit base's mapped pages (shared between processes)
     widened: int = 0  # LoRA: blocks of the base widened to float32, adapter scratch
 
@@ -77,13 +79,15 @@ def footprint(n_params: int, activation_bytes: int, *, accum: int = 1,
               networked: bool = False, pushes: bool = False, corpus_tokens: int = 0,
               queue_bytes: int = GOSSIP.queue_bytes,
               average_part: int = GOSSIP.average_part, outer: bool = False,
-              outer_rewind: bool = GOSSIP.outer_rewind) -> Footprint:
+              outer_rewind: bool = GOSSIP.outer_rewind,
+              outer_feedback_bits: int = GOSSIP.outer_feedback_bits) -> Footprint:
     """The peak memory of training `n_params` parameters whose micro-batch needs
     `activation_bytes` of scratch; `networked`: not --alone; `pushes`: gossip.fanout > 0;
-    `outer`: True with outer steps (gossip.outer_every > 0): the round's progress and the
-    error feedback, bfloat16 (they replace the pushes' float32 residual); without rewinding
-    (`outer_rewind` false) the error feedback alone."""
+    `outer`: True with outer steps (gossip.outer_every > 0): the round's progress (bfloat16)
+    and the error feedback (`outer_feedback_bits`; they replace the pushes' float32
+    residual); without rewinding (`outer_rewind` false) the error feedback alone."""
     n = int(n_params)
+    feedback = Owed8.bytes_for(n) if outer_feedback_bits == 8 else 2 * n
     held = 4 * (held_capacity(n) + average_part) if networked else 0
     net = NET_OVERHEAD + BODY_MEMORY + 8 * average_part if networked else 0
     return Footprint(
@@ -95,7 +99,7 @@ def footprint(n_params: int, activation_bytes: int, *, accum: int = 1,
         averaging=held,
         error_feedback=4 * n if pushes and not outer else 0,
         push_queue=queue_bytes if pushes or outer else 0,
-        outer=(4 if outer_rewind else 2) * n if outer else 0,
+        outer=(2 * n if outer_rewind else 0) + feedback if outer else 0,
     )
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from p2ptrain.codecs.kernels import bf16_bits_to_f32, bit_stream, f32_to_bf16_stochastic
+from p2ptrain.owed8 import Owed8
 from p2ptrain.params import ParamSpace
 
 
@@ -81,6 +82,27 @@ class Progress:
         wide += delta
         f32_to_bf16_stochastic(wide, self.bits[lo:hi], self.stream)
 
+    def read(self, lo: int, hi: int, out: np.ndarray) -> None:
+        """out[:] = progress[lo:hi] (float32)."""
+        bf16_bits_to_f32(self.bits[lo:hi], out)
+
+    def write(self, lo: int, hi: int, src: np.ndarray) -> None:
+        """progress[lo:hi] = src, rounded stochastically (src is not changed)."""
+        f32_to_bf16_stochastic(src, self.bits[lo:hi], self.stream)
+
+    def values(self) -> np.ndarray:
+        """All of it as a new float32 array."""
+        out = np.empty(self.bits.shape[0], np.float32)
+        bf16_bits_to_f32(self.bits, out)
+        return out
+
+    def any(self) -> bool:
+        return bool(self.bits.any())
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.nbytes
+
     def reset(self) -> None:
         self.bits.fill(0)
 
@@ -112,7 +134,7 @@ class AdamW:
         self._tmp2 = np.zeros(block, np.float32)  # its weight decay
 
     def step(self, params: np.ndarray, grad: np.ndarray, lr: float,
-             progress: Progress | None = None) -> None:
+             progress: Progress | Owed8 | None = None) -> None:
         """params -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * [matrix] * params), in place;
         with `progress`, what params lost is also added to its accumulator."""
         self.t += 1

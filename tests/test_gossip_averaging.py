@@ -14,6 +14,7 @@ from p2ptrain.proto.gossip.averaging import (
     pull_share,
     read_snapshot,
 )
+from p2ptrain.proto.gossip.config import GossipConfig
 from tests.test_gossip_mixer import reseal
 
 N = 5003  # not a multiple of the subset block: the partial last run is exercised
@@ -246,6 +247,16 @@ def test_rate_weighted_pull_moves_the_slow_replica_and_keeps_the_weighted_mean()
     assert pull_share(9.0, 1.0, 0.95) == pytest.approx(0.1)
     assert pull_share(1.0, 1e9, 0.95) == 0.95 and pull_share(1e9, 1.0, 0.95) == pytest.approx(
         0.05)  # a forged rate moves an honest replica no more than the clamp
+    # power 3: the rates' cubes are weighed -- a replica 3x slower moves 27/28 of the way,
+    # the fast one 1/28; the clamp still bounds it, and huge or zero rates stay finite
+    assert pull_share(1.0, 3.0, 0.99, 3.0) == pytest.approx(27 / 28)
+    assert pull_share(3.0, 1.0, 0.99, 3.0) == pytest.approx(1 / 28)
+    assert pull_share(3.0, 1.0, 0.9, 3.0) == pytest.approx(0.1)
+    assert pull_share(2.0, 2.0, 0.99, 3.0) == 0.5
+    assert pull_share(1e300, 1.0, 0.99, 16.0) == pytest.approx(0.01)
+    assert pull_share(0.0, 5.0, 0.99, 16.0) == 0.99
+    with pytest.raises(ValueError, match="average_pull_power"):
+        GossipConfig(average_pull_power=0.5)
     av_a, av_b = pair("full")
     slow, fast = params(1), params(2)
     weighted = (1.0 * slow.astype(np.float64) + 9.0 * fast) / 10

@@ -9,6 +9,7 @@ import pytest
 
 from p2ptrain import memplan
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
+from p2ptrain.owed8 import Owed8
 from p2ptrain.proto.gossip.trainer import held_capacity
 
 N = 100_000_000
@@ -28,9 +29,14 @@ def test_training_needs_16_bytes_per_parameter_plus_what_is_asked_for():
     assert big.averaging / 10**9 < 0.52  # an eighth of the model, and one part
     assert memplan.footprint(N, 0, corpus_tokens=1000).corpus == 1125
     outer = memplan.footprint(N, 0, pushes=True, outer=True, queue_bytes=10)
-    assert outer.outer == 4 * N and outer.error_feedback == 0 and outer.push_queue == 10
+    feedback = Owed8.bytes_for(N)  # 8 bits and a scale per 256 coordinates
+    assert N < feedback < 1.02 * N
+    assert outer.outer == 2 * N + feedback and outer.error_feedback == 0
+    assert outer.push_queue == 10
     kept = memplan.footprint(N, 0, pushes=True, outer=True, outer_rewind=False)
-    assert kept.outer == 2 * N  # keeping the owed progress: the error feedback alone
+    assert kept.outer == feedback  # keeping the owed progress: the error feedback alone
+    wide = memplan.footprint(N, 0, outer=True, outer_rewind=False, outer_feedback_bits=16)
+    assert wide.outer == 2 * N  # bfloat16
 
 
 def test_the_rwkv_family_and_its_activations():

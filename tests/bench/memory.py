@@ -81,7 +81,10 @@ def run_node(config: RWKVConfig, tree: Path = REPO, networked: bool = False,
         env.update(PYTHONPATH=str(tree), P2PTRAIN_EVAL_WINDOWS=str(eval_windows),
                    P2PTRAIN_MODEL_RWKV_N_LAYER=str(config.n_layer),
                    P2PTRAIN_MODEL_RWKV_N_EMBD=str(config.n_embd),
-                   P2PTRAIN_MODEL_RWKV_CTX_LEN=str(config.ctx_len))
+                   P2PTRAIN_MODEL_RWKV_CTX_LEN=str(config.ctx_len),
+                   # the final checkpoint of a big model on a loaded machine may take longer
+                   # than the default 20 s grace; the bench requires it
+                   P2PTRAIN_NODE_GRACE_SECONDS="300")
         env.update(outer_env(outer) if outer else {})
         started = time.monotonic()
         peak, events = _join(cmd, env, tree, Path(state))

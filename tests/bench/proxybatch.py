@@ -16,6 +16,15 @@ Learner, no simulator:
 2. R replicas at batch 1 (the same start, their own data) whose parameters are replaced by
    their mean every k steps: steps until the mean reaches the target. R replicas averaged
    every step at the fleet's step rate is the ceiling of what parameter averaging can do.
+3. `--fleet`: the scenario's machines (those whose step time is at most `--slowest`
+   seconds: the charged model's step times and batch 1, as sims.run.fleet_summary gives
+   them) train in simulated seconds with no communication cost; every `--period` seconds
+   either all replicas are replaced by their mean weighted by the steps each took in the
+   period ("all": a perfect all-reduce of parameters) or a random matching pairs them up
+   and each pair moves by `pull_share` of their step rates, pull at most 0.9 ("pairs": the
+   gossip default's exchange, without its bandwidth). Time to the target of the mean
+   ("all") or of a fastest machine's replica ("pairs": the leader is a server), checked
+   every 20 simulated seconds, as the scenario's evaluation.
 
 It prints one line per run; nothing is written.
 """
@@ -29,10 +38,14 @@ import time
 import numpy as np
 
 from p2ptrain.learner import Learner
+from p2ptrain.proto.gossip.averaging import pull_share
 from sims.fleet import Training
+from sims.run import fleet_summary
 from sims.scenario import load
 
 CHECK_EVERY = 25  # steps between held-out evaluations
+FLEET_CHECK = 20.0  # simulated seconds between evaluations of a fleet run
+PULL_MAX = 0.9  # gossip.average_pull_max's default
 
 
 def _floats(text: str) -> list[float]:
@@ -87,6 +100,51 @@ def steps_averaged(training: Training, replicas: int, every: int, lr: float, tar
     return None, loss
 
 
+def fleet_time(training: Training, step_seconds: list[float], period: float, mode: str,
+               lr: float, target: float, horizon: float, seed: int) -> tuple[float | None, float]:
+    """(simulated seconds to the target or None, the last loss) of one replica per entry of
+    `step_seconds` (fastest first), mixed every `period` seconds by `mode` ("all" / "pairs")."""
+    settings = dataclasses.replace(training.settings, lr=lr)
+    learners = [Learner(training.model, f"f{i + 1}", settings, training.corpus, 1, 1, 1)
+                for i in range(len(step_seconds))]
+    for other in learners[1:]:
+        np.copyto(other.params, learners[0].params)
+    rng = np.random.default_rng(seed)
+    due = list(step_seconds)  # when each replica's next step completes
+    mean = np.empty_like(learners[0].params)
+    now, next_check, loss = 0.0, FLEET_CHECK, float("inf")
+    while now < horizon:
+        now += period
+        steps = np.zeros(len(learners))
+        for i, learner in enumerate(learners):
+            while due[i] <= now:
+                learner.train_step()
+                steps[i] += 1
+                due[i] += step_seconds[i]
+        if mode == "all" and steps.sum() > 0:
+            mean.fill(0.0)
+            for w, learner in zip(steps / steps.sum(), learners, strict=True):
+                if w:
+                    mean += np.float32(w) * learner.params
+            for learner in learners:
+                np.copyto(learner.params, mean)
+        elif mode == "pairs":
+            order = rng.permutation(len(learners))
+            for a, b in zip(order[::2], order[1::2], strict=False):
+                pa = pull_share(1 / step_seconds[a], 1 / step_seconds[b], PULL_MAX)
+                pb = pull_share(1 / step_seconds[b], 1 / step_seconds[a], PULL_MAX)
+                diff = learners[b].params - learners[a].params
+                learners[a].params += np.float32(pa) * diff
+                learners[b].params -= np.float32(pb) * diff
+            np.copyto(mean, learners[0].params)
+        if now >= next_check:
+            next_check += FLEET_CHECK
+            loss = training.heldout_loss(mean)
+            if loss <= target:
+                return now, loss
+    return None, loss
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", default="seed-1b-lora")
@@ -97,12 +155,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicas", default="3,8", help="replica counts to average")
     parser.add_argument("--every", default="1,10", help="steps between averagings")
     parser.add_argument("--max-steps", type=int, default=4000)
+    parser.add_argument("--fleet", action="store_true",
+                        help="only the fleet runs (3.): the scenario's machines, mixed ideally")
+    parser.add_argument("--slowest", default="1,3,5",
+                        help="fleet runs: the machines whose step takes at most this (s)")
+    parser.add_argument("--period", default="4.45,1", help="fleet runs: seconds between mixes")
+    parser.add_argument("--modes", default="all,pairs", help="fleet runs: all and/or pairs")
+    parser.add_argument("--horizon", type=float, default=1500.0,
+                        help="fleet runs: simulated seconds at most")
+    parser.add_argument("--seed", type=int, default=1, help="fleet runs: the matchings' seed")
     args = parser.parse_args(argv)
     scenario = load(args.scenario)
     target = args.target if args.target is not None else scenario.target_loss
     training = Training(scenario)
     print(f"proxy of {args.scenario}: {training.model.space.n_params:,} parameters, target "
           f"{target}, evaluated every {CHECK_EVERY} steps on {len(training.heldout)} windows")
+    if args.fleet:
+        groups = sorted(fleet_summary(scenario, args.seed)["groups"],
+                        key=lambda g: g["step_seconds"])
+        for slowest in _floats(args.slowest):
+            chosen = [g for g in groups if g["step_seconds"] <= slowest]
+            times = [g["step_seconds"] for g in chosen for _ in range(g["count"])]
+            names = ", ".join(f"{g['count']} {g['device']} ({g['step_seconds']:g} s)"
+                              for g in chosen)
+            for period in _floats(args.period):
+                for mode in args.modes.split(","):
+                    for lr in _floats(args.lrs):
+                        t0 = time.perf_counter()
+                        when, loss = fleet_time(training, times, period, mode, lr, target,
+                                                args.horizon, args.seed)
+                        print(f"fleet {mode:5s} every {period:g} s lr {lr:g} of {names}: "
+                              f"{when if when is None else f'{when:.0f} s'} (last loss "
+                              f"{loss:.3f}, {time.perf_counter() - t0:.0f} s)", flush=True)
+        return
     for batch in _ints(args.batches):
         for lr in _floats(args.lrs):
             t0 = time.perf_counter()

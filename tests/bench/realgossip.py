@@ -2,7 +2,7 @@
 run (issue 17: "bytes per trained sample against dense fp32 gradient exchange and final loss
 against the best configuration").
 
-    python -m tests.bench.realgossip [--configs A,B,C,D,E,F,S] [--seeds 2] [--first-seed 0]
+    python -m tests.bench.realgossip [--configs A,B,C,D,D16,E,F,S] [--seeds 2] [--first-seed 0]
                                      [--total-samples 200000] [--timeout 900]
                                      [--json OUT] [--keep DIR]
     python -m tests.bench.realgossip --table OUT [OUT ...]   # the table of saved runs
@@ -66,7 +66,10 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {  # None: one node alone
     "C": ("rate-weighted averaging every step", {"average_pull_max": 0.9, "average_every": 1}),
     "D": ("outer steps H 20, top-k 5% to 1 peer, no averaging, no rewind",
           {"outer_every": 20, "fanout": 1, "fraction": 0.05, "average_every": 0,
-           "outer_momentum": 1.0, "outer_rewind": False}),
+           "outer_momentum": 1.0, "outer_rewind": False}),  # e in 8 bits (the default)
+    "D16": ("D with the error feedback in bfloat16 (outer_feedback_bits 16)",
+            {"outer_every": 20, "fanout": 1, "fraction": 0.05, "average_every": 0,
+             "outer_momentum": 1.0, "outer_rewind": False, "outer_feedback_bits": 16}),
     "E": ("dense fp32 gradient to 1 peer every step", {"fanout": 1, "codec": "none",
                                                        "average_every": 0}),
     "F": ("no communication", {"average_every": 0}),

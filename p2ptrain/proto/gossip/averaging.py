@@ -418,15 +418,20 @@ class ParameterAverager:
         return k * b + tail
 
 
-def pull_share(mine: float | None, theirs: float | None, most: float) -> float:
+def pull_share(mine: float | None, theirs: float | None, most: float,
+               power: float = 1.0) -> float:
     """How far a replica moves toward a peer's in one exchange: the peer's share of the pair's
-    sample rates (`mine`, `theirs`: samples/s as observed; None: not yet), clamped to
-    [1 - most, most]; 1/2 (plain averaging) when `most` is 1/2 or a rate is unknown. Both
-    sides computing it from their own observations move the pair's rate-weighted mean little,
-    and a slow replica (a Pi's) is pulled most of the way to a fast one (a server's) while
-    the fast one keeps its progress."""
+    sample rates (`mine`, `theirs`: samples/s as observed; None: not yet), each raised to
+    `power`, clamped to [1 - most, most]; 1/2 (plain averaging) when `most` is 1/2 or a rate
+    is unknown. Both sides computing it from their own observations, a slow replica (a Pi's)
+    is pulled most of the way to a fast one (a server's) while the fast one keeps its
+    progress; at power 1 the pair's rate-weighted mean stays put, above 1 the faster side
+    keeps more of its own (its replica holds more recent steps than the slower one's)."""
     if most <= 0.5 or mine is None or theirs is None or not mine + theirs > 0:
         return 0.5
+    if power != 1.0:
+        top = max(mine, theirs)  # scaled first: no overflow whatever a peer reports
+        mine, theirs = (mine / top) ** power, (theirs / top) ** power
     return min(most, max(1.0 - most, theirs / (mine + theirs)))
 
 

@@ -68,6 +68,10 @@ class GossipConfig:
         "is plain pairwise averaging; above, each side moves by the peer's share of the "
         "pair's observed sample rates (a slow replica follows a fast one), clamped to "
         "[1 - this, this]", minimum=0.5)
+    average_pull_power: float = option(
+        1.0, "the sample rates of average_pull_max's shares are raised to this power first: "
+        "above 1 a faster replica moves less toward a slower one (which holds fewer recent "
+        "steps) and the slower one follows it further", minimum=1)
     # 5 s: the 32,768 swarm samples this bound was before (issue 17) at the seed fleet's
     # ~6,700 samples/s; seconds hold across model sizes, where a count of samples does not
     # (at 1B parameters the same fleet makes a few samples per second)
@@ -131,6 +135,9 @@ class GossipConfig:
     outer_rewind: bool = option(True, "at an outer step go back to where the round started "
                                 "(SparseLoCo); false: keep the progress not yet sent (it "
                                 "still travels later)")
+    outer_feedback_bits: int = option(8, "bits a coordinate of the outer steps' error "
+                                      "feedback is kept in: 8 (int8 with a scale per 256) or "
+                                      "16 (bfloat16); both rounded stochastically", minimum=8)
     queue_vectors: int = option(16, "peer gradients waiting for the next mix, at most",
                                 minimum=1)
     queue_bytes: int = option(256 << 20, "wire bytes of the peer gradients waiting, at most",
@@ -169,9 +176,11 @@ class GossipConfig:
             "subset_fraction": 0.0 < self.subset_fraction <= 1.0,
             "average_part": self.average_part >= 1,
             "average_pull_max": 0.5 <= self.average_pull_max < 1,
+            "average_pull_power": 1 <= self.average_pull_power <= 16,
             "outer_every": self.outer_every >= 0,
             "outer_lr": 0 < self.outer_lr <= 4,
             "outer_momentum": 0 <= self.outer_momentum <= 1,
+            "outer_feedback_bits (8 or 16)": self.outer_feedback_bits in (8, 16),
             "fanout (outer steps share progress with at least one peer)":
                 self.outer_every == 0 or self.fanout >= 1,
         }

@@ -17,12 +17,13 @@ Every H local steps:
 So replicas restart every round from an anchor they (nearly) share, and what is not sent yet
 waits in e instead of pulling the replicas apart. With lr 1, beta 0, no compression and every
 peer's c it is exactly averaging the replicas' progress. Bytes per round: fanout compressed
-vectors, against one dense vector per *step* for gradient exchange. Extra state: d and e,
-2 bytes a parameter each (no anchor copy, no separate momentum).
+vectors, against one dense vector per *step* for gradient exchange. Extra state: d in
+bfloat16 (2 bytes a parameter) and e in `outer_feedback_bits` (owed8.py: 8 bits and a scale
+per 256, 1.016 bytes; or bfloat16), no anchor copy, no separate momentum.
 
 `outer_rewind = false` (keep the owed progress) needs no d: the replica is not sent back, so
 every step's progress goes straight into e, and after sharing e keeps beta (e - c) -- the
-same e at every share as above (beta e + d), in one vector: 2 bytes a parameter.
+same e at every share as above (beta e + d), in one vector: 1.016 bytes a parameter at 8 bits.
 
 Pure: no I/O, no clock; randomness from the seeds given.
 """
@@ -31,16 +32,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2ptrain.codecs.kernels import (
-    bf16_bits_to_f32,
-    bit_stream,
-    blocks,
-    chunk_seed,
-    f32_to_bf16_stochastic,
-)
+from p2ptrain.codecs.kernels import blocks, chunk_seed
 from p2ptrain.codecs.wire import HEADER_SIZE, Origin, chunk_bounds, encode_chunk
 from p2ptrain.optim import Progress
+from p2ptrain.owed8 import Owed8
 from p2ptrain.proto.gossip.config import GossipConfig
+
+
+def owed_vector(n: int, bits: int, seed: int) -> Progress | Owed8:
+    """An accumulator of n coordinates in `bits` (8: owed8.Owed8, 16: bfloat16)."""
+    return Owed8(n, seed) if bits == 8 else Progress(n, seed)
 
 
 class OuterOptimizer:
@@ -52,10 +53,11 @@ class OuterOptimizer:
         self.codec = config.make_codec()
         self.n = int(n)
         self.rewinds = config.outer_rewind
-        self.progress = Progress(n, seed)  # d: this round's progress (no rewind: e itself)
-        # e: bfloat16 bits of what is owed; without rewinding, the steps add to it directly
-        self.feedback = np.zeros(n, np.uint16) if self.rewinds else self.progress.bits
-        self._stream = bit_stream(seed ^ 0x5EED)  # e's rounding
+        bits = config.outer_feedback_bits
+        # e: what is owed; without rewinding, the steps add to it directly (no d)
+        self.feedback = owed_vector(n, bits, seed ^ 0x5EED)
+        # d: this round's progress, bfloat16 (the replica goes back by it exactly)
+        self.progress = Progress(n, seed) if self.rewinds else self.feedback
         self._wide = np.zeros(0, np.float32)
         self.rounds = 0
 
@@ -73,14 +75,14 @@ class OuterOptimizer:
         codec, out = self.codec, []
         for index, (offset, length) in enumerate(bounds):
             part = into[offset : offset + length]
-            owed = self.feedback[offset : offset + length]
-            if self._wide.shape[0] < length:
-                self._wide = np.zeros(length, np.float32)
-            d = self._wide[:length]
-            bf16_bits_to_f32(owed, part)
+            end = offset + length
+            self.feedback.read(offset, end, part)
             if self.rewinds:
+                if self._wide.shape[0] < length:
+                    self._wide = np.zeros(length, np.float32)
+                d = self._wide[:length]
                 part *= np.float32(self.beta)
-                bf16_bits_to_f32(self.progress.bits[offset : offset + length], d)
+                self.progress.read(offset, end, d)
                 part += d  # part = e
             cseed = chunk_seed(seed, index)
             msg = encode_chunk(codec, part, header, self.n, offset, index, len(bounds), cseed)
@@ -88,7 +90,7 @@ class OuterOptimizer:
             codec.decode_into(payload, part, -1.0, cseed)  # part = e - c
             if not self.rewinds:
                 part *= np.float32(self.beta)  # the next round's steps add to beta (e - c)
-            f32_to_bf16_stochastic(part, owed, self._stream)
+            self.feedback.write(offset, end, part)
             part.fill(0.0)
             codec.decode_into(payload, part, 1.0, cseed)  # part = c
             out.append(bytes(msg))
@@ -110,7 +112,7 @@ class OuterOptimizer:
             if self._wide.shape[0] < hi - lo:
                 self._wide = np.zeros(hi - lo, np.float32)
             d = self._wide[: hi - lo]
-            bf16_bits_to_f32(self.progress.bits[lo:hi], d)
+            self.progress.read(lo, hi, d)
             params[lo:hi] += d
         self.progress.reset()
 
@@ -124,4 +126,4 @@ class OuterOptimizer:
     def reset(self) -> None:
         """Forget progress and what is owed (the replica was replaced)."""
         self.progress.reset()
-        self.feedback.fill(0)  # (the same vector without rewinding)
+        self.feedback.reset()  # (the same vector without rewinding)

@@ -293,7 +293,7 @@ class GossipTrainer:
             report: AveragingReport = averager.finish(
                 self.learner.params, snap, self.held if busy else None, pull_share(
                     self.rate_of(self.node_id), self.rate_of(snap.sender.hex()),
-                    self.config.average_pull_max))
+                    self.config.average_pull_max, self.config.average_pull_power))
         except CodecError:  # too far apart (max_distance): refused, nothing applied
             self.stats["average_refused"] += 1
             return
