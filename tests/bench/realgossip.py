@@ -2,7 +2,7 @@
 run (issue 17: "bytes per trained sample against dense fp32 gradient exchange and final loss
 against the best configuration").
 
-    python -m tests.bench.realgossip [--configs A,B,C,D,D16,E,F,S] [--seeds 2] [--first-seed 0]
+    python -m tests.bench.realgossip [--configs A,B,B3,C,D,D16,E,F,S] [--seeds 2] [--first-seed 0]
                                      [--total-samples 200000] [--timeout 900]
                                      [--json OUT] [--keep DIR]
     python -m tests.bench.realgossip --table OUT [OUT ...]   # the table of saved runs
@@ -62,8 +62,13 @@ POLL = 0.25  # s between status polls (the last one before a node exits is its f
 CONFIGS: dict[str, tuple[str, dict | None]] = {  # None: one node alone
     "A": ("old default (averaging every 5, subset fp16 10%, pull 0.5)",
           {"average_pull_max": 0.5}),  # pinned: the default is rate-weighted (0.9) now
-    "B": ("rate-weighted averaging (pull max 0.9)", {"average_pull_max": 0.9}),
-    "C": ("rate-weighted averaging every step", {"average_pull_max": 0.9, "average_every": 1}),
+    "B": ("rate-weighted averaging (pull max 0.9)", {"average_pull_max": 0.9,
+                                                      "average_pull_power": 1.0}),
+    # the default since 2026-12-02 (B was the default before)
+    "B3": ("B with pull power 3, pull at most 0.99", {"average_pull_max": 0.99,
+                                                     "average_pull_power": 3.0}),
+    "C": ("rate-weighted averaging every step", {"average_pull_max": 0.9, "average_every": 1,
+                                                 "average_pull_power": 1.0}),
     "D": ("outer steps H 20, top-k 5% to 1 peer, no averaging, no rewind",
           {"outer_every": 20, "fanout": 1, "fraction": 0.05, "average_every": 0,
            "outer_momentum": 1.0, "outer_rewind": False}),  # e in 8 bits (the default)

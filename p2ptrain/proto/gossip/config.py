@@ -64,14 +64,14 @@ class GossipConfig:
     average_part: int = option(DEFAULT_PART, "coordinates per averaging message: a big "
                                "model's exchange travels as parts of this size", minimum=1024)
     average_pull_max: float = option(
-        0.9, "how far a replica moves toward a peer's in an averaging exchange, at most: 0.5 "
+        0.99, "how far a replica moves toward a peer's in an averaging exchange, at most: 0.5 "
         "is plain pairwise averaging; above, each side moves by the peer's share of the "
         "pair's observed sample rates (a slow replica follows a fast one), clamped to "
         "[1 - this, this]", minimum=0.5)
     average_pull_power: float = option(
-        1.0, "the sample rates of average_pull_max's shares are raised to this power first: "
+        3.0, "the sample rates of average_pull_max's shares are raised to this power first: "
         "above 1 a faster replica moves less toward a slower one (which holds fewer recent "
-        "steps) and the slower one follows it further", minimum=1)
+        "steps) and the slower one follows it further; 1: the rates themselves", minimum=1)
     # 5 s: the 32,768 swarm samples this bound was before (issue 17) at the seed fleet's
     # ~6,700 samples/s; seconds hold across model sizes, where a count of samples does not
     # (at 1B parameters the same fleet makes a few samples per second)
