@@ -22,9 +22,9 @@ Learner, no simulator:
    either all replicas are replaced by their mean weighted by the steps each took in the
    period ("all": a perfect all-reduce of parameters) or a random matching pairs them up
    and each pair moves by `pull_share` of their step rates, pull at most 0.9 ("pairs": the
-   gossip default's exchange, without its bandwidth). Time to the target of the mean
-   ("all") or of a fastest machine's replica ("pairs": the leader is a server), checked
-   every 20 simulated seconds, as the scenario's evaluation.
+   gossip default's exchange until 2026-12-02, without its bandwidth). Time to the target
+   of the mean ("all") or of a fastest machine's replica ("pairs": the leader is a
+   server), checked every 20 simulated seconds, as the scenario's evaluation.
 
 It prints one line per run; nothing is written.
 """
@@ -45,7 +45,7 @@ from sims.scenario import load
 
 CHECK_EVERY = 25  # steps between held-out evaluations
 FLEET_CHECK = 20.0  # simulated seconds between evaluations of a fleet run
-PULL_MAX = 0.9  # gossip.average_pull_max's default
+PULL_MAX = 0.9  # "pairs" pull as the default did until 2026-12-02 (rates to the power 1)
 
 
 def _floats(text: str) -> list[float]:
