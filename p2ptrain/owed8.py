@@ -36,7 +36,7 @@ class Owed8:
         self.codes = np.zeros(groups * GROUP, np.int8)  # the tail group is padded with zeros
         self.scales = np.zeros(groups, np.float32)
         self.stream = bit_stream(seed)  # the rounding's random bits
-        self._wide = np.zeros(min(groups * GROUP, SPAN + 2 * GROUP), np.float32)
+        self._wide = np.zeros(min(groups * GROUP, SPAN), np.float32)
         self._draws = np.zeros(self._wide.shape[0], np.float32)
 
     @property
@@ -73,8 +73,8 @@ class Owed8:
         self.scales[a:b] = scale
 
     def _spans(self, lo: int, hi: int):
-        """(lo, hi, first group, end group) pieces of [lo, hi), each at most SPAN + 2 groups
-        of whole groups."""
+        """(lo, hi, first group, end group) pieces of [lo, hi), each inside at most
+        SPAN / GROUP whole groups (the scratch holds them)."""
         while lo < hi:
             a = lo // GROUP
             stop = min(hi, (a * GROUP) + SPAN)
