@@ -61,7 +61,7 @@ HELDOUT_WINDOWS = 512
 POLL = 0.25  # s between status polls (the last one before a node exits is its figure)
 CONFIGS: dict[str, tuple[str, dict | None]] = {  # None: one node alone
     "A": ("old default (averaging every 5, subset fp16 10%, pull 0.5)",
-          {"average_pull_max": 0.5}),  # pinned: the default is rate-weighted (0.9) now
+          {"average_pull_max": 0.5}),  # pinned: the default is rate-weighted now
     "B": ("rate-weighted averaging (pull max 0.9)", {"average_pull_max": 0.9,
                                                       "average_pull_power": 1.0}),
     # the default since 2026-12-02 (B was the default before)
