@@ -60,9 +60,7 @@ class Owed8:
         rows = values.reshape(b - a, GROUP)
         top = np.abs(rows).max(axis=1)
         scale = top / _LEVELS
-        with np.errstate(divide="ignore"):
-            inverse = np.where(top > 0, _LEVELS / np.where(top > 0, top, 1), 0).astype(np.float32)
-        rows *= inverse[:, None]
+        rows *= (_LEVELS / np.where(top > 0, top, np.float32(np.inf)))[:, None]  # all-zero: 0
         u = self._draws[: rows.size]
         np.copyto(u, uniform_u16(self.stream, rows.size), casting="unsafe")
         u *= _U16
