@@ -111,7 +111,10 @@ def test_merge_gives_the_same_logits_and_samples(runs, tmp_path):
     weights = full.space.zeros()
     checkpoint.load_tensors(merged, checkpoint.MODEL_FILE, full.space.views(weights))
     ids = np.random.default_rng(0).integers(0, 256, (2, 16))
-    assert np.abs(full.logits(weights, ids) - lora.logits(adapters, ids)).max() <= 1e-5
+    # merged float32 weights round differently from base + B A: logits of magnitude ~4-8
+    # (a float32 unit ~5e-7) differed by up to 1.1e-5 in one run of many, depending on the
+    # trained adapters (node ids pick the shards); the greedy samples below must match exactly
+    assert np.abs(full.logits(weights, ids) - lora.logits(adapters, ids)).max() <= 5e-5
     greedy = ("--length", "60", "--temperature", "0", "--prompt", "red ")
     a = run_cli("sample", "--checkpoint", str(tmp / "lora"), *greedy)
     b = run_cli("sample", "--checkpoint", str(merged), *greedy)
