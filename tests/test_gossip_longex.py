@@ -22,7 +22,7 @@ from p2ptrain.proto.gossip.trainer import GossipTrainer
 from p2ptrain.proto.messages import Out
 from sims import run
 from sims.scenario import parse
-from tests.proto_samples import A, B
+from tests.proto_samples import A, B, C
 from tests.test_gossip_mixer import LOOSE, N, grad, msgs, send
 from tests.test_node import learner
 
@@ -155,6 +155,29 @@ def test_an_unmeasured_peer_gets_the_floor_and_a_fast_one_too():
     fast.peers.observe_transfer(B, 100 * MB, 100 * MB, 1.0, 0.0)
     take_step(fast, 10.0)
     assert fast.exchange.deadline == 10.0 + FLOOR
+
+
+def test_averaging_partners_are_drawn_with_the_configured_exploration():
+    """`gossip.average_explore` floors the averaging partner draw: at the default 0.01 a peer
+    whose exchange takes 100x longer is hardly ever chosen (an exchange with it would hold the
+    node's one exchange all that while); at 1.0 it gets about a third of the draws."""
+    partners = ((B, "10.0.0.2:7100"), (C, "10.0.0.3:7100"))
+    picks = {}
+    for explore in (0.01, 1.0):
+        t = trainer(A, average_explore=explore)
+        for peer, seconds in ((B, 0.01), (C, 1.0)):  # the round trip dominates
+            t.peers.observe_rtt(peer, seconds, 0.0)
+            t.peers.observe_transfer(peer, 100 * MB, 100 * MB, 0.1 + seconds, 0.0)
+        chosen = []
+        for i in range(200):
+            take_step(t, 10.0 + i, partners)
+            chosen.append(t.exchange.peer)
+            t.close()  # forget the exchange: the next step opens another
+        picks[explore] = chosen.count(C)
+    assert picks[0.01] <= 6 and picks[1.0] >= 40
+    assert GossipConfig().average_explore == 0.01
+    with pytest.raises(ValueError, match="average_explore"):
+        GossipConfig(average_explore=1.5)
 
 
 def exchange_round(a: GossipTrainer, b: GossipTrainer, request: Out, now: float) -> list[Out]:

@@ -21,7 +21,7 @@ def test_base_scenario_is_inherited_and_overridden(tmp_path):
     assert lora.model == fleet.model and lora.train["lr"] == fleet.train["lr"]
     assert lora.train["warmup_samples"] == 200 < fleet.train["warmup_samples"]  # replaced
     assert lora.charge["lora_rank"] == 16 and lora.stop_at_target and not fleet.stop_at_target
-    assert [m.kind for m in lora.methods] == ["gossip"] * 7 + ["coordinator", "allreduce",
+    assert [m.kind for m in lora.methods] == ["gossip"] * 8 + ["coordinator", "allreduce",
                                                                  "solo"]
     churn = load("seed-1b-lora-churn")
     assert churn.churn.failures and churn.charge == lora.charge

@@ -72,6 +72,10 @@ class GossipConfig:
         3.0, "the sample rates of average_pull_max's shares are raised to this power first: "
         "above 1 a faster replica moves less toward a slower one (which holds fewer recent "
         "steps) and the slower one follows it further; 1: the rates themselves", minimum=1)
+    average_explore: float = option(
+        0.01, "averaging partners are drawn by link speed and sample rate, each eligible peer "
+        "weighted at least this times the mean weight (exploration): an exchange with a slow "
+        "peer holds the node's one averaging exchange for its whole length", minimum=0)
     # 5 s: the 32,768 swarm samples this bound was before (issue 17) at the seed fleet's
     # ~6,700 samples/s; seconds hold across model sizes, where a count of samples does not
     # (at 1B parameters the same fleet makes a few samples per second)
@@ -177,6 +181,7 @@ class GossipConfig:
             "average_part": self.average_part >= 1,
             "average_pull_max": 0.5 <= self.average_pull_max < 1,
             "average_pull_power": 1 <= self.average_pull_power <= 16,
+            "average_explore": 0 <= self.average_explore <= 1,
             "outer_every": self.outer_every >= 0,
             "outer_lr": 0 < self.outer_lr <= 4,
             "outer_momentum": 0 <= self.outer_momentum <= 1,

@@ -356,8 +356,9 @@ class GossipTrainer:
     def _begin_average(self, now: float, partners: Sequence[tuple[str, str]],
                        out: list[Out]) -> None:
         addrs, weighted = dict(partners), self.config.average_pull_max > 0.5
-        (peer,) = self.peers.choose(addrs, 1, self.rng, 4 * self.plan.capacity, rates={
-            p: self.rate_of(p) for p in addrs} if weighted else None)
+        (peer,) = self.peers.choose(addrs, 1, self.rng, 4 * self.plan.capacity,
+                                    self.config.average_explore, rates={
+                                        p: self.rate_of(p) for p in addrs} if weighted else None)
         seed = int(self.rng.integers(0, MAX_SEED))
         self._send_part(now, peer, addrs[peer], seed, 0, self.plan.parts(seed), now, out)
         self.stats["average_started"] += 1
