@@ -71,6 +71,7 @@ from sims.scenario import Method
 
 CHECKPOINT_OVERHEAD = 4096  # bytes of manifest and headers around a checkpoint's weights
 RETRANSMIT_SECONDS = 0.2  # TCP's retransmission timeout (Linux's minimum RTO)
+MAX_WAKES_AT_ONCE = 1000  # a node woken this often at one virtual time is spinning
 
 
 def split_params(params: dict, flops_per_coordinate: float) -> tuple[GossipConfig, NodeConfig]:
@@ -107,6 +108,8 @@ class Machine:
     wake_at: float | None = None
     rng: random.Random | None = None  # compute-time jitter of this machine
     saved_at: float = 0.0  # when this incarnation last saved (local saves) or started
+    woken_at: float = -1.0  # virtual time of the last wake, and how many came at that time
+    wakes_then: int = 0
 
 
 @dataclass
@@ -275,6 +278,12 @@ class GossipSim:
         if mach.node is not None and mach.generation == generation:
             mach.wake_at = None
             mach.wake = None
+            now = self.engine.now
+            mach.wakes_then = mach.wakes_then + 1 if now == mach.woken_at else 1
+            mach.woken_at = now
+            if mach.wakes_then > MAX_WAKES_AT_ONCE:  # virtual time would never move on
+                raise RuntimeError(f"machine {i}: {mach.wakes_then} wakes at t={now:.3f}; its "
+                                   f"node's deadline stays in the past (a protocol bug)")
             self.handle(i, Tick())
 
     def run_step(self, i: int, step: int) -> None:

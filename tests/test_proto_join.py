@@ -262,3 +262,11 @@ def test_a_joiner_waits_a_little_for_its_first_member_list_before_choosing():
     assert gone.advance(1.0, "me", "L", to, None, None, 0) == []
     assert gone.advance(1.0 + LISTING_GRACE, "me", "L", lambda lead: (), None, None, 0) == []
     assert gone.next_deadline() == 30.0  # the leader went away: back to the join timeout
+    # a join whose own wait ends inside the grace: at its end it fetches with what it knows
+    # (it used to return nothing with that deadline left in the past: woken again at once,
+    # for ever -- the simulator's churn runs at 1B-LoRA spun on it)
+    short = _join(0.0, 0, 3.0, 3, 1.0, 4.0)
+    assert short.advance(1.0, "me", "L", to, None, None, 0) == []
+    assert short.next_deadline() == 3.0 < 1.0 + LISTING_GRACE
+    (fetch,) = short.advance(3.0, "me", "L", to, None, None, 0)
+    assert type(fetch) is FetchCheckpoint and short.next_deadline() is None

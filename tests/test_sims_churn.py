@@ -109,3 +109,20 @@ def test_a_partition_cuts_the_sites_apart_and_heals(ci):
     # nothing crosses while split, but each side keeps talking inside itself
     assert world.network.traffic.refused > 0
     assert moved > 0 or farm_moved > 0
+
+
+def test_a_node_whose_deadline_stays_in_the_past_fails_the_run_loudly(ci):
+    """Virtual time cannot move on while a node is woken again at once for ever (its deadline
+    left in the past, as a join's listing grace once did): the run raises instead of hanging."""
+    scenario = ci.replace(duration=4.0)
+    sim = GossipSim(_world(scenario), scenario.methods[0])
+    engine = sim.engine
+
+    def break_node():
+        node = sim.machines[0].node
+        node.next_deadline = lambda: engine.now  # a deadline always now: a spinning node
+        sim.reschedule(0)
+
+    engine.at(1.0, break_node)
+    with pytest.raises(RuntimeError, match="machine 0: 1001 wakes at t=1.000"):
+        sim.run()

@@ -157,12 +157,15 @@ class Join:
         if leader == me:
             return self._finish("this node leads")
         sources = sources_of(leader) if leader is not None else ()
+        # the wait for a member list ends at the grace or at the join's own wait, if sooner
+        # (a deadline this leaves in the past would wake the node again at once, for ever)
+        timed_out = now >= self.wait_from + self.timeout
         if sources and not listings and not self.listing_waited:
             if self.listing_wait is None:
                 self.listing_wait = now + LISTING_GRACE
-            if now < self.listing_wait:
+            if now < self.listing_wait and not timed_out:
                 return []  # the first member list will say who else holds what
-        if self.listing_wait is not None and (listings or now >= self.listing_wait):
+        if self.listing_wait is not None and (listings or timed_out or now >= self.listing_wait):
             self.listing_wait, self.listing_waited = None, True
         if sources:
             self.state = FETCHING
