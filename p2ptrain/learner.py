@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from p2ptrain.data.sampler import shard_seed
 from p2ptrain.models import Model, fingerprint
 from p2ptrain.optim import AdamW, Progress, Schedule, clip_global_norm
 from p2ptrain.options import option
+from p2ptrain.outerstate import OUTER, state_arrays
 from p2ptrain.owed8 import Owed8
 from p2ptrain.swarmcount import SwarmCount
 
@@ -97,6 +99,8 @@ class Learner:
         self.step = 0  # local steps taken
         self.samples = 0  # local samples trained on
         self.progress: Progress | Owed8 | None = None  # set by an outer optimiser: steps summed
+        self.outer: Any = None  # the outer optimiser (its state goes into checkpoints)
+        self.outer_saved: dict[str, Any] | None = None  # its state from our own checkpoint
 
     @property
     def swarm_samples(self) -> int:
@@ -178,6 +182,11 @@ class Learner:
 
     def snapshot(self, term: int) -> checkpoint.Snapshot:
         space = self.model.space
+        outer_meta, outer_tensors = self.outer.state() if self.outer is not None else (None, [])
+        state_meta = {"step": self.step, "samples": self.samples, "adam_t": self.opt.t,
+                      "node_id": self.node_id, "data": self.sampler.position()}
+        if outer_meta is not None:
+            state_meta[OUTER] = outer_meta
         return checkpoint.Snapshot(
             step=self.step,
             term=term,
@@ -185,11 +194,10 @@ class Learner:
             fingerprint=self.fingerprint,
             arch=self.model.arch(),
             model_tensors=[(s.name, space.view(self.params, s.name)) for s in space],
-            state_tensors=[("adam.m", self.opt.m), ("adam.v", self.opt.v)],
+            state_tensors=[("adam.m", self.opt.m), ("adam.v", self.opt.v), *outer_tensors],
             model_meta={} if self.tokenizer_json is None else {
                 checkpoint.TOKENIZER_META_KEY: self.tokenizer_json},
-            state_meta={"step": self.step, "samples": self.samples, "adam_t": self.opt.t,
-                        "node_id": self.node_id, "data": self.sampler.position()},
+            state_meta=state_meta,
         )
 
     def restore(self, path: Path, manifest: checkpoint.Manifest, with_state: bool = True,
@@ -216,12 +224,16 @@ class Learner:
         if not all_finite(staged):
             raise checkpoint.CheckpointError(f"{path.name}: weights hold non-finite values")
         if with_state:
+            # the outer optimiser's state: our own only (another node's owes its own progress)
+            outer = state_arrays(meta.get(OUTER), space.n_params) if same_node else None
             try:
                 checkpoint.load_tensors(path, checkpoint.STATE_FILE,
-                                        {"adam.m": self.opt.m, "adam.v": self.opt.v})
+                                        {"adam.m": self.opt.m, "adam.v": self.opt.v,
+                                         **(outer or {})})
             except checkpoint.CheckpointError:
                 self.opt.reset()
                 raise
+            self.outer_saved = None if outer is None else {"meta": meta[OUTER], "arrays": outer}
         np.copyto(self.params, staged)
         staged.fill(0.0)
         if with_count:

@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64,
-          "I32": np.int32, "U8": np.uint8}
+          "I32": np.int32, "I8": np.int8, "U16": np.uint16, "U8": np.uint8}
 DTYPE_NAMES = {np.dtype(v).str: k for k, v in DTYPES.items()}
 # Dtypes numpy lacks, read as their raw bits and never written: a bfloat16 is the top half of
 # a float32's bits, so a reader widens the uint16 words itself.

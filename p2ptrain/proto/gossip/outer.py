@@ -30,11 +30,15 @@ Pure: no I/O, no clock; randomness from the seeds given.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
 from p2ptrain.codecs.kernels import blocks, chunk_seed
 from p2ptrain.codecs.wire import HEADER_SIZE, Origin, chunk_bounds, encode_chunk
 from p2ptrain.optim import Progress
+from p2ptrain.outerstate import OUTER, describe, finite, parts, state_arrays
 from p2ptrain.owed8 import Owed8
 from p2ptrain.proto.gossip.config import GossipConfig
 
@@ -47,7 +51,8 @@ def owed_vector(n: int, bits: int, seed: int) -> Progress | Owed8:
 class OuterOptimizer:
     """Round progress, error feedback and the outer step of one replica of n parameters."""
 
-    def __init__(self, config: GossipConfig, n: int, seed: int):
+    def __init__(self, config: GossipConfig, n: int, seed: int,
+                 saved: Mapping[str, Any] | None = None):
         self.every = config.outer_every
         self.lr, self.beta = config.outer_lr, config.outer_momentum
         self.codec = config.make_codec()
@@ -60,6 +65,34 @@ class OuterOptimizer:
         self.progress = Progress(n, seed) if self.rewinds else self.feedback
         self._wide = np.zeros(0, np.float32)
         self.rounds = 0
+        self.restored = saved is not None and self.restore(saved)
+
+    # -- in a checkpoint: a node that resumes from its own keeps what it owed ----------------
+
+    def state(self) -> tuple[dict[str, Any], list[tuple[str, np.ndarray]]]:
+        """(its description, [(tensor name, array)]): views of the live vectors, for the state
+        file of a checkpoint (p2ptrain/outerstate.py names them)."""
+        arrays = [(f"{OUTER}.feedback.{k}", v) for k, v in parts(self.feedback).items()]
+        if self.rewinds:
+            arrays.append((f"{OUTER}.progress.bits", self.progress.bits))
+        return describe(self.feedback, self.rewinds, self.n), arrays
+
+    def restore(self, saved: Mapping[str, Any]) -> bool:
+        """Adopt a checkpoint's vectors (`saved`: {"meta", "arrays"}, read into
+        `state_arrays(meta, n)`); False, and nothing changed, unless they are this
+        optimiser's kind (bits, rewinding, size) and finite: it then starts at zero."""
+        meta, arrays = saved.get("meta"), saved.get("arrays")
+        want = state_arrays(meta, self.n)
+        if (want is None or meta != describe(self.feedback, self.rewinds, self.n)
+                or not isinstance(arrays, Mapping) or set(arrays) != set(want)):
+            return False
+        if any(not isinstance(arrays[k], np.ndarray) or arrays[k].dtype != w.dtype
+               or arrays[k].shape != w.shape for k, w in want.items()) or not finite(arrays):
+            return False
+        for name, a in arrays.items():
+            owner = self.progress if name.startswith(f"{OUTER}.progress") else self.feedback
+            setattr(owner, name.rsplit(".", 1)[1], a)
+        return True
 
     def due(self, step: int) -> bool:
         """True after local step `step` (1-based) when an outer step is due."""

@@ -111,15 +111,14 @@ class GossipTrainer:
         self.learner = learner
         self.node_id = learner.node_id
         self.sender = bytes.fromhex(learner.node_id)  # raw id in codec chunk headers
-        self.rng = rng
-        self.average_timeout = average_timeout
-        self.chunk_elems = chunk_elems
+        self.rng, self.average_timeout, self.chunk_elems = rng, average_timeout, chunk_elems
         self.n = n
         # the error-feedback residual is a buffer of the model's size: only with pushes
-        self.outer = (OuterOptimizer(config, n, int(rng.integers(0, 2**62)))
+        self.outer = (OuterOptimizer(config, n, int(rng.integers(0, 2**62)), learner.outer_saved)
                       if config.outer_every > 0 else None)
         if self.outer is not None:  # outer steps share progress; no per-step pushes
-            learner.progress = self.outer.progress
+            learner.progress, learner.outer = self.outer.progress, self.outer
+            learner.outer_saved = None  # taken: a later trainer of this learner starts at zero
         self.encoder = (gradient_encoder(config, n)
                         if config.fanout > 0 and self.outer is None else None)
         # pseudo-gradients are mixed once a round, whatever the swarm trained meanwhile
