@@ -28,5 +28,9 @@ def test_a_fleet_mixed_ideally_reaches_a_loose_target_and_repeats():
         assert when is not None and when % proxybatch.FLEET_CHECK == 0 and loss <= 4.5
         assert proxybatch.fleet_time(training, times, 2.0, mode, 4e-3, 4.5, 400.0, 1) == (
             when, loss)
+    batched = proxybatch.fleet_time(training, times, 2.0, "all", 4e-3, 4.5, 400.0, 1, [2, 2, 1])
+    assert batched[0] is not None and batched[1] <= 4.5  # each machine at its own batch
+    assert proxybatch.fleet_time(training, times, 2.0, "all", 4e-3, 4.5, 400.0, 1,
+                                 [2, 2, 1]) == batched
     never = proxybatch.fleet_time(training, times, 2.0, "all", 4e-3, 0.5, 40.0, 1)
     assert never[0] is None and never[1] > 0.5

@@ -17,11 +17,11 @@ Learner, no simulator:
    their mean every k steps: steps until the mean reaches the target. R replicas averaged
    every step at the fleet's step rate is the ceiling of what parameter averaging can do.
 3. `--fleet`: the scenario's machines (those whose step time is at most `--slowest`
-   seconds: the charged model's step times and batch 1, as sims.run.fleet_summary gives
+   seconds: the charged model's step times and batches, as sims.run.fleet_summary gives
    them) train in simulated seconds with no communication cost; every `--period` seconds
-   either all replicas are replaced by their mean weighted by the steps each took in the
+   either all replicas are replaced by their mean weighted by the samples each took in the
    period ("all": a perfect all-reduce of parameters) or a random matching pairs them up
-   and each pair moves by `pull_share` of their step rates, pull at most 0.9 ("pairs": the
+   and each pair moves by `pull_share` of their sample rates, pull at most 0.9 ("pairs": the
    gossip default's exchange until 2026-12-02, without its bandwidth). Time to the target
    of the mean ("all") or of a fastest machine's replica ("pairs": the leader is a
    server), checked every 20 simulated seconds, as the scenario's evaluation.
@@ -101,12 +101,15 @@ def steps_averaged(training: Training, replicas: int, every: int, lr: float, tar
 
 
 def fleet_time(training: Training, step_seconds: list[float], period: float, mode: str,
-               lr: float, target: float, horizon: float, seed: int) -> tuple[float | None, float]:
+               lr: float, target: float, horizon: float, seed: int,
+               batches: list[int] | None = None) -> tuple[float | None, float]:
     """(simulated seconds to the target or None, the last loss) of one replica per entry of
-    `step_seconds` (fastest first), mixed every `period` seconds by `mode` ("all" / "pairs")."""
+    `step_seconds` (fastest first; `batches`: each one's batch, 1 if not given), mixed every
+    `period` seconds by `mode` ("all" / "pairs")."""
     settings = dataclasses.replace(training.settings, lr=lr)
-    learners = [Learner(training.model, f"f{i + 1}", settings, training.corpus, 1, 1, 1)
-                for i in range(len(step_seconds))]
+    batches = batches or [1] * len(step_seconds)
+    learners = [Learner(training.model, f"f{i + 1}", settings, training.corpus, b, 1, 1)
+                for i, b in enumerate(batches)]
     for other in learners[1:]:
         np.copyto(other.params, learners[0].params)
     rng = np.random.default_rng(seed)
@@ -123,7 +126,8 @@ def fleet_time(training: Training, step_seconds: list[float], period: float, mod
                 due[i] += step_seconds[i]
         if mode == "all" and steps.sum() > 0:
             mean.fill(0.0)
-            for w, learner in zip(steps / steps.sum(), learners, strict=True):
+            samples = steps * np.asarray(batches)
+            for w, learner in zip(samples / samples.sum(), learners, strict=True):
                 if w:
                     mean += np.float32(w) * learner.params
             for learner in learners:
@@ -131,8 +135,8 @@ def fleet_time(training: Training, step_seconds: list[float], period: float, mod
         elif mode == "pairs":
             order = rng.permutation(len(learners))
             for a, b in zip(order[::2], order[1::2], strict=False):
-                pa = pull_share(1 / step_seconds[a], 1 / step_seconds[b], PULL_MAX)
-                pb = pull_share(1 / step_seconds[b], 1 / step_seconds[a], PULL_MAX)
+                ra, rb = batches[a] / step_seconds[a], batches[b] / step_seconds[b]
+                pa, pb = pull_share(ra, rb, PULL_MAX), pull_share(rb, ra, PULL_MAX)
                 diff = learners[b].params - learners[a].params
                 learners[a].params += np.float32(pa) * diff
                 learners[b].params -= np.float32(pb) * diff
@@ -176,14 +180,15 @@ def main(argv: list[str] | None = None) -> None:
         for slowest in _floats(args.slowest):
             chosen = [g for g in groups if g["step_seconds"] <= slowest]
             times = [g["step_seconds"] for g in chosen for _ in range(g["count"])]
-            names = ", ".join(f"{g['count']} {g['device']} ({g['step_seconds']:g} s)"
-                              for g in chosen)
+            batches = [g["batch"] for g in chosen for _ in range(g["count"])]
+            names = ", ".join(f"{g['count']} {g['device']} (b{g['batch']}, "
+                              f"{g['step_seconds']:g} s)" for g in chosen)
             for period in _floats(args.period):
                 for mode in args.modes.split(","):
                     for lr in _floats(args.lrs):
                         t0 = time.perf_counter()
                         when, loss = fleet_time(training, times, period, mode, lr, target,
-                                                args.horizon, args.seed)
+                                                args.horizon, args.seed, batches)
                         print(f"fleet {mode:5s} every {period:g} s lr {lr:g} of {names}: "
                               f"{when if when is None else f'{when:.0f} s'} (last loss "
                               f"{loss:.3f}, {time.perf_counter() - t0:.0f} s)", flush=True)
