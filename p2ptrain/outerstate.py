@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from p2ptrain.codecs.kernels import blocks
 from p2ptrain.optim import Progress
 from p2ptrain.owed8 import GROUP, Owed8
 
@@ -50,9 +51,11 @@ def state_arrays(meta: Any, n: int) -> dict[str, np.ndarray] | None:
 
 
 def finite(arrays: Mapping[str, np.ndarray]) -> bool:
-    """No bfloat16 infinity or NaN, no scale below zero or not finite."""
+    """No bfloat16 infinity or NaN, no scale below zero or not finite. Checked a block at a
+    time: at start-up, beside the model, a temporary of the vector's size is not free."""
     for a in arrays.values():
-        if a.dtype == np.uint16 and bool(((a & 0x7F80) == 0x7F80).any()):
+        if a.dtype == np.uint16 and any(bool(((a[lo:hi] & 0x7F80) == 0x7F80).any())
+                                        for lo, hi in blocks(a.shape[0])):
             return False
         if a.dtype == np.float32 and not bool((np.isfinite(a) & (a >= 0)).all()):
             return False

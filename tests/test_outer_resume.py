@@ -64,10 +64,11 @@ def test_other_nodes_and_other_kinds_of_state_start_at_zero(tmp_path):
                       other_kind, np.random.default_rng(5), average_timeout=90.0,
                       chunk_elems=1 << 12)
     assert not t.outer.restored and not t.outer.feedback.any() and not t.outer.progress.any()
-    plain = learner(ident.node_id)  # outer steps off: the state is not even read
+    plain = learner(ident.node_id)  # outer steps off now: the state read is let go
     plain.restore(path, manifest)
     assert GossipTrainer(GossipConfig(), plain, np.random.default_rng(5), average_timeout=90.0,
                          chunk_elems=1 << 12).outer is None
+    assert plain.outer_saved is None
 
 
 def test_a_state_that_is_not_finite_or_does_not_fit_is_refused(tmp_path):

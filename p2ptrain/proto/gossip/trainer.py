@@ -118,7 +118,7 @@ class GossipTrainer:
                       if config.outer_every > 0 else None)
         if self.outer is not None:  # outer steps share progress; no per-step pushes
             learner.progress, learner.outer = self.outer.progress, self.outer
-            learner.outer_saved = None  # taken: a later trainer of this learner starts at zero
+        learner.outer_saved = None  # taken, or not wanted: never held for the whole run
         self.encoder = (gradient_encoder(config, n)
                         if config.fanout > 0 and self.outer is None else None)
         # pseudo-gradients are mixed once a round, whatever the swarm trained meanwhile
