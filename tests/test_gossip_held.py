@@ -13,8 +13,8 @@ from p2ptrain.proto.errors import LocalProtocolError
 from p2ptrain.proto.events import Reading, Send, StepDone
 from p2ptrain.proto.gossip.averaging import AveragingPlan, HeldDeltas, ParameterAverager
 from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.exchange import HELD_FLOOR, held_capacity
 from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
-from p2ptrain.proto.gossip.trainer import HELD_FLOOR, held_capacity
 from tests.test_node import MODEL, cluster, envelope_from
 
 

@@ -180,6 +180,42 @@ def test_averaging_partners_are_drawn_with_the_configured_exploration():
         GossipConfig(average_explore=1.5)
 
 
+def test_averaging_partners_are_peers_whose_rate_is_known_and_fast_ones_by_the_power():
+    """With observed sample rates, a peer whose rate is not known yet is never an averaging
+    partner, and a due exchange with none known is skipped (counted); the draw weighs the
+    rates to `average_draw_power`: on equal links a peer 3x slower gets 1/28 of the weight at
+    3, 1/4 at 1. A trainer that observes no rates (`rate_of` None) draws by link alone."""
+    d = "dd" * 16
+    partners = ((B, "10.0.0.2:7100"), (C, "10.0.0.3:7100"), (d, "10.0.0.4:7100"))
+    picks = {}
+    for power in (1.0, 3.0):
+        t = trainer(A, average_draw_power=power, average_explore=0.0)
+        for peer in (B, C, d):
+            t.peers.observe_rtt(peer, 0.01, 0.0)
+        rates = {A: 6.0, B: 6.0, C: 2.0, d: None}
+        t.rate_of = rates.get
+        chosen = []
+        for i in range(400):
+            take_step(t, 10.0 + i, partners)
+            chosen.append(t.exchange.peer)
+            t.close()
+        picks[power] = (chosen.count(C), chosen.count(d))
+    assert picks[1.0][1] == picks[3.0][1] == 0  # the unknown peer: never
+    assert 60 <= picks[1.0][0] <= 140 and picks[3.0][0] <= 35  # 1/4 (100) and 1/28 (14) of 400
+    t = trainer(A)
+    t.rate_of = {A: 6.0}.get  # no partner's rate known yet
+    assert take_step(t, 1.0, partners) == [] and t.exchange is None
+    assert t.stats["average_waited"] == 1
+    t = trainer(A)  # nothing observes rates: partners by link alone
+    assert take_step(t, 1.0, partners) and t.exchange is not None
+    blind = trainer(A, average_known_rates=False)
+    blind.rate_of = {A: 6.0}.get
+    assert take_step(blind, 1.0, partners) and blind.exchange is not None
+    assert GossipConfig().average_draw_power == 3.0 and GossipConfig().average_known_rates
+    with pytest.raises(ValueError, match="average_draw_power"):
+        GossipConfig(average_draw_power=0.5)
+
+
 def exchange_round(a: GossipTrainer, b: GossipTrainer, request: Out, now: float) -> list[Out]:
     """Deliver `request` from a to b at `now`, and b's reply back to a; a's next sends."""
     parsed = b.parse(A, request.body)

@@ -116,6 +116,30 @@ def test_averaging_partners_weighted_by_sample_rate_within_a_cap():
     assert capped["liar"] / 4000 == pytest.approx(share, abs=0.03) and capped["server"] > 0
 
 
+def test_rates_weigh_to_a_power_and_the_cap_holds_before_it():
+    """At power 3 a peer at a third of another's rate weighs 1/27 of it; an inflated rate
+    is capped at RATE_BIAS_CAP x the median before the power; at 1 the weights are the
+    rates' own (the same draws as without the argument)."""
+    stats = {p: PeerStats(rtt=0.01, bandwidth=1e8) for p in ("a", "b", "liar")}
+    rates = {"a": 3.0, "b": 1.0, "liar": 1e9}
+    rng = np.random.default_rng(3)
+    draws = Counter(choose_peers(["a", "b"], stats, 1, rng, 4096, explore=0.0, rates=rates,
+                                 power=3.0)[0] for _ in range(5600))
+    assert draws["b"] / 5600 == pytest.approx(1 / 28, abs=0.012)
+    capped = Counter(choose_peers(list(rates), stats, 1, rng, 4096, explore=0.0, rates=rates,
+                                  power=3.0)[0] for _ in range(4000))
+    mid = 3.0  # median of the three rates
+    weights = {"liar": (RATE_BIAS_CAP * mid) ** 3, "a": 3.0**3, "b": 1.0}
+    assert capped["liar"] / 4000 == pytest.approx(weights["liar"] / sum(weights.values()),
+                                                  abs=0.02)
+    same = [choose_peers(list(rates), stats, 1, np.random.default_rng(5), 4096, rates=rates)
+            for _ in range(3)]
+    assert same == [choose_peers(list(rates), stats, 1, np.random.default_rng(5), 4096,
+                                 rates=rates, power=1.0) for _ in range(3)]
+    with pytest.raises(ValueError):
+        choose_peers(["a"], stats, 1, np.random.default_rng(0), 10, power=0.5)
+
+
 def test_choice_is_seeded_and_ignores_the_order_of_ids():
     table = fleet()
     names = [n for n, _ in table.items()]

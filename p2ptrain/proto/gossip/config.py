@@ -79,6 +79,16 @@ class GossipConfig:
     # 5 s: the 32,768 swarm samples this bound was before (issue 17) at the seed fleet's
     # ~6,700 samples/s; seconds hold across model sizes, where a count of samples does not
     # (at 1B parameters the same fleet makes a few samples per second)
+    average_draw_power: float = option(
+        3.0, "averaging partners are drawn by link speed times their sample rate raised to "
+        "this power: above 1 a node draws peers as fast as itself or faster far more often "
+        "than slower ones, whose exchanges move it little (average_pull_power) and hold its "
+        "one exchange as long; 1: the rates themselves", minimum=1)
+    average_known_rates: bool = option(
+        True, "averaging partners are only peers whose sample rate this node has observed "
+        "(their progress watched for 2 s): one that has shown none has no steps of its own "
+        "to give, and at the start of a run a blind draw is mostly of slow peers; while no "
+        "partner's rate is known, a due exchange is skipped")
     max_staleness_seconds: float = option(5.0, "peer gradients older than this many seconds "
                                           "of the swarm's sample rate are dropped (age is "
                                           "counted in swarm samples and converted with the "
@@ -182,6 +192,7 @@ class GossipConfig:
             "average_pull_max": 0.5 <= self.average_pull_max < 1,
             "average_pull_power": 1 <= self.average_pull_power <= 16,
             "average_explore": 0 <= self.average_explore <= 1,
+            "average_draw_power": 1 <= self.average_draw_power <= 16,
             "outer_every": self.outer_every >= 0,
             "outer_lr": 0 < self.outer_lr <= 4,
             "outer_momentum": 0 <= self.outer_momentum <= 1,

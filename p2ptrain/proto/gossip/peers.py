@@ -139,8 +139,23 @@ class PeerTable:
 
     def choose(self, eligible: Iterable[str], fanout: int, rng: np.random.Generator,
                message_bytes: int, explore: float = 0.1,
-               rates: Mapping[str, float | None] | None = None) -> tuple[str, ...]:
-        return choose_peers(eligible, self._stats, fanout, rng, message_bytes, explore, rates)
+               rates: Mapping[str, float | None] | None = None,
+               power: float = 1.0) -> tuple[str, ...]:
+        return choose_peers(eligible, self._stats, fanout, rng, message_bytes, explore, rates,
+                            power)
+
+    def choose_partner(self, partners: Iterable[str], rng: np.random.Generator,
+                       message_bytes: int, explore: float,
+                       rates: Mapping[str, float | None] | None, power: float,
+                       known_only: bool) -> str | None:
+        """The one averaging partner of an exchange, drawn as `choose` draws (rates weighed
+        if given); with `known_only` and `rates`, only among the partners whose rate is known
+        (None: none is yet, no exchange now)."""
+        eligible = sorted(set(partners))
+        if rates is not None and known_only:
+            eligible = [p for p in eligible if rates.get(p) is not None]
+        picks = self.choose(eligible, 1, rng, message_bytes, explore, rates, power)
+        return picks[0] if picks else None
 
 
 def delivery_seconds(stats: Mapping[str, PeerStats], peers: Iterable[str],
@@ -189,15 +204,18 @@ def give_up_seconds(stats: Mapping[str, PeerStats], peer: str, message_bytes: in
 
 def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout: int,
                  rng: np.random.Generator, message_bytes: int, explore: float = 0.1,
-                 rates: Mapping[str, float | None] | None = None) -> tuple[str, ...]:
+                 rates: Mapping[str, float | None] | None = None,
+                 power: float = 1.0) -> tuple[str, ...]:
     """`fanout` distinct peers from `eligible` (all of them, in random order, if fewer),
     drawn without replacement with probability proportional to 1 / delivery time -- times
-    the peer's sample rate if `rates` are given (unknown or 0: the median of the known; at most
-    `RATE_BIAS_CAP` x that median, so an inflated count cannot take every draw) -- floored
-    at `explore` x the mean weight. The result depends only on the set of eligible ids, the
-    stats, the rates and the generator's state, not on the order the ids are given in."""
-    if fanout < 0 or not 0.0 <= explore <= 1.0:
-        raise ValueError(f"fanout must be >= 0 and explore in [0, 1]: {fanout}, {explore}")
+    the peer's sample rate to the `power` if `rates` are given (unknown or 0: the median of
+    the known; at most `RATE_BIAS_CAP` x that median before the power, so an inflated count
+    cannot take every draw) -- floored at `explore` x the mean weight. The result depends
+    only on the set of eligible ids, the stats, the rates and the generator's state, not on
+    the order the ids are given in."""
+    if fanout < 0 or not 0.0 <= explore <= 1.0 or not 1.0 <= power <= 16.0:
+        raise ValueError(f"fanout must be >= 0, explore in [0, 1] and power in [1, 16]: "
+                         f"{fanout}, {explore}, {power}")
     peers = sorted(set(eligible))
     if fanout == 0 or not peers:
         return ()
@@ -207,7 +225,9 @@ def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout
     known = [r for p in peers if (r := rates.get(p)) is not None and r > 0]
     if known:
         mid = statistics.median(known)
-        weights *= [min(rates.get(p) or mid, RATE_BIAS_CAP * mid) for p in peers]
+        scale = mid if power != 1.0 else 1.0  # no overflow; at 1 the very weights of before
+        weights *= [(min(rates.get(p) or mid, RATE_BIAS_CAP * mid) / scale) ** power
+                    for p in peers]
     np.maximum(weights, explore * weights.mean(), out=weights)
     picks = rng.choice(len(peers), size=min(fanout, len(peers)), replace=False,
                        p=weights / weights.sum())

@@ -7,6 +7,8 @@ with the peer gradients queued since the last step (`GradientMixer`: sample-coun
 staleness in swarm samples, median-norm clipping), apply AdamW (`learner.apply_gradient`),
 and every `average_every` steps open a push-pull averaging exchange with one peer (moving
 by `pull_share` of the two nodes' sample rates, as `rate_of` -- the node's -- observes them).
+The partner is drawn by link speed and its rate to `average_draw_power`; with
+`average_known_rates`, only among peers whose rate is observed (none yet: not this time).
 
 Inbound bodies are parsed and checked completely (`parse`: framing, checksum, model length,
 the sender named in the chunks is the header's sender, values decode and are finite) before
@@ -41,7 +43,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,6 +58,7 @@ from p2ptrain.proto.gossip.averaging import (
     read_snapshot,
 )
 from p2ptrain.proto.gossip.config import GossipConfig, flops_per_coordinate
+from p2ptrain.proto.gossip.exchange import Exchange, held_capacity
 from p2ptrain.proto.gossip.messages import (
     AverageReply,
     AverageRequest,
@@ -71,30 +74,7 @@ if TYPE_CHECKING:
     from p2ptrain.learner import Learner
 
 MAX_SEED = 2**53  # exchange seeds stay exact in JSON
-HELD_SHARE = 8  # averaging half steps held while busy: at most 1/HELD_SHARE of the model...
-HELD_FLOOR = 1 << 24  # ...or this many coordinates (64 MiB), if more
 OUTER_STALENESS = 2**62  # outer steps mix every pseudo-gradient that arrived since the last
-
-
-def held_capacity(n: int) -> int:
-    """Coordinates of averaging half steps a node of n parameters holds while a step is
-    outstanding (one part more when its own exchange's reply lands on a full store)."""
-    return max(n // HELD_SHARE, HELD_FLOOR)
-
-
-@dataclass(slots=True)
-class Exchange:
-    """The averaging exchange this node opened and still waits on."""
-
-    peer: str  # node id of the responder
-    seed: int
-    started: float  # when the request of the current part was made
-    deadline: float  # aborted if no reply by then
-    sent: int  # bytes of snapshot sent for the current part
-    part: int = 0  # the part awaiting its reply
-    parts: int = 1  # parts of the exchange
-    addr: str = ""  # where the responder accepts requests
-    opened: float | None = None  # when the exchange's first part was sent (None: `started`)
 
 
 class TooFar(CodecError):
@@ -141,7 +121,9 @@ class GossipTrainer:
         self.distance: float | None = None  # consensus distance of the last exchange (RMS)
         self.last_mix: MixReport | None = None
         self.stats: Counter[str] = Counter()
-        self.rate_of: Callable[[str], float | None] = lambda node_id: None  # samples/s seen
+        # samples/s each node is seen to train at (the membership's); None: nothing observes
+        # them (averaging pulls 1/2, partners are drawn by link alone)
+        self.rate_of: Callable[[str], float | None] | None = None
         self._seed_base = int(rng.integers(0, 2**62))
 
     # -- inbound ------------------------------------------------------------------------------
@@ -288,10 +270,11 @@ class GossipTrainer:
     def _finish(self, averager: ParameterAverager, snap: PeerSnapshot, busy: bool) -> None:
         """Close `averager`'s exchange: its half step goes to the parameters, or, while a step
         is outstanding, into the held half steps."""
+        rate_of = self.rate_of or (lambda node_id: None)
         try:
             report: AveragingReport = averager.finish(
                 self.learner.params, snap, self.held if busy else None, pull_share(
-                    self.rate_of(self.node_id), self.rate_of(snap.sender.hex()),
+                    rate_of(self.node_id), rate_of(snap.sender.hex()),
                     self.config.average_pull_max, self.config.average_pull_power))
         except CodecError:  # too far apart (max_distance): refused, nothing applied
             self.stats["average_refused"] += 1
@@ -354,10 +337,15 @@ class GossipTrainer:
 
     def _begin_average(self, now: float, partners: Sequence[tuple[str, str]],
                        out: list[Out]) -> None:
-        addrs, weighted = dict(partners), self.config.average_pull_max > 0.5
-        (peer,) = self.peers.choose(addrs, 1, self.rng, 4 * self.plan.capacity,
-                                    self.config.average_explore, rates={
-                                        p: self.rate_of(p) for p in addrs} if weighted else None)
+        cfg, addrs, rate_of = self.config, dict(partners), self.rate_of
+        rates = ({p: rate_of(p) for p in addrs}
+                 if cfg.average_pull_max > 0.5 and rate_of is not None else None)
+        peer = self.peers.choose_partner(addrs, self.rng, 4 * self.plan.capacity,
+                                         cfg.average_explore, rates, cfg.average_draw_power,
+                                         cfg.average_known_rates)
+        if peer is None:  # no partner's progress observed yet: wait for the next due step
+            self.stats["average_waited"] += 1
+            return
         seed = int(self.rng.integers(0, MAX_SEED))
         self._send_part(now, peer, addrs[peer], seed, 0, self.plan.parts(seed), now, out)
         self.stats["average_started"] += 1
