@@ -18,6 +18,11 @@ end_{i-1} + latency_{i-1})`), and the resource is booked only for its own work
 message alone on a path of equal rates therefore takes `size / rate + sum(latencies)`; on an
 idle path it takes `size / min(rate) + sum(latencies)`.
 
+A message may be given a `wait_cap` (a small control message, network.py): at each hop it
+waits at most that long for the backlog ahead of it -- on a real link its packets go between
+the bulk transfers' packets, delayed by the queue's depth, not by whole messages -- and the
+backlog is pushed back by its own work.
+
 A hop may drop a message: when its backlog would exceed `queue_limit` seconds (a full
 buffer, tail drop), or by its `loss` rule (a function of the interval the message occupies
 it, e.g. a Starlink reconfiguration burst). A dropped message still used the hops before.
@@ -58,11 +63,14 @@ class Resource:
         """Seconds of booked work still ahead of a message arriving now."""
         return max(0.0, self.busy_until - now)
 
-    def serve(self, arrival: float, size: int, rate: float | None = None) -> tuple[float, float]:
-        """Book `size` bytes arriving at `arrival`; returns (start, end of its work)."""
+    def serve(self, arrival: float, size: int, rate: float | None = None,
+              wait_cap: float = math.inf) -> tuple[float, float]:
+        """Book `size` bytes arriving at `arrival`; returns (start, end of its work). A
+        message given a `wait_cap` waits at most that long for the backlog ahead of it (it
+        goes between the bulk messages' packets) and pushes that backlog back by its work."""
         work = size / (rate or self.rate)
-        start = max(arrival, self.busy_until)
-        self.busy_until = start + work
+        start = arrival + min(max(0.0, self.busy_until - arrival), wait_cap)
+        self.busy_until = max(self.busy_until, start) + work
         self.busy_time += work
         self.bytes += size
         self.messages += 1
@@ -104,14 +112,17 @@ class Transfer:
     sent: float  # when it entered the first hop
     delivered: float | None = None  # when its last byte reached the receiver
     dropped_at: str | None = None  # the resource that dropped it
+    wait_cap: float = math.inf  # the most it waits for the backlog at a hop
 
 
 def transmit(engine: Engine, path: list[Hop], size: int, rng: random.Random,
              on_delivered: Callable[[Transfer], None],
-             on_dropped: Callable[[Transfer], None] | None = None) -> Transfer:
+             on_dropped: Callable[[Transfer], None] | None = None,
+             wait_cap: float = math.inf) -> Transfer:
     """Send `size` bytes along `path` now; `on_delivered(transfer)` runs when the last byte
-    arrives (an empty path delivers at once)."""
-    transfer = Transfer(size, engine.now)
+    arrives (an empty path delivers at once). `wait_cap`: the most it waits for the backlog
+    at each hop (see `Resource.serve`)."""
+    transfer = Transfer(size, engine.now, wait_cap=wait_cap)
     if not path:
         transfer.delivered = engine.now
         on_delivered(transfer)
@@ -130,7 +141,7 @@ def _cross(engine: Engine, path: list[Hop], i: int, prev_end: float, transfer: T
     if resource.backlog(now) > hop.queue_limit:
         _drop(resource, transfer, on_dropped)
         return
-    start, work_end = resource.serve(now, transfer.size, hop.rate)
+    start, work_end = resource.serve(now, transfer.size, hop.rate, transfer.wait_cap)
     end = max(work_end, prev_end)
     if hop.loss(start, end, rng):
         _drop(resource, transfer, on_dropped)

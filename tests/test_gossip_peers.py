@@ -17,6 +17,7 @@ from p2ptrain.proto.gossip.peers import (
     PeerTable,
     choose_peers,
     delivery_seconds,
+    upper_quartile,
 )
 
 
@@ -97,7 +98,7 @@ def test_choice_prefers_fast_links_but_keeps_exploring():
 def test_averaging_partners_weighted_by_sample_rate_within_a_cap():
     """Equal links: with rates given, a peer is drawn in proportion to its sample rate (an
     unknown one as the median), and an inflated rate counts at most RATE_BIAS_CAP x the
-    median -- it cannot take every draw."""
+    upper quartile -- it cannot take every draw."""
     stats = {p: PeerStats(rtt=0.01, bandwidth=1e8) for p in ("pi", "laptop", "server", "liar")}
     rates = {"pi": 0.1, "laptop": 1.0, "server": 3.0, "liar": 1e9}
     rng = np.random.default_rng(7)
@@ -109,8 +110,8 @@ def test_averaging_partners_weighted_by_sample_rate_within_a_cap():
     assert unknown["server"] > unknown["laptop"] > unknown["pi"]  # laptop: the median (1.55)
     capped = Counter(choose_peers(list(rates), stats, 1, rng, 4096, rates=rates)[0]
                      for _ in range(4000))
-    mid = (1.0 + 3.0) / 2  # median of the four: 2.0
-    weights = [RATE_BIAS_CAP * mid, 0.1, 1.0, 3.0]
+    top = 3.0  # the upper quartile of the four, by the lower rank: sorted[int(0.75 * 3)]
+    weights = [RATE_BIAS_CAP * top, 0.1, 1.0, 3.0]
     weights[1] = max(0.1, 0.1 * sum(weights) / 4)  # the exploration floor lifts the pi
     share = weights[0] / sum(weights)
     assert capped["liar"] / 4000 == pytest.approx(share, abs=0.03) and capped["server"] > 0
@@ -128,8 +129,8 @@ def test_rates_weigh_to_a_power_and_the_cap_holds_before_it():
     assert draws["b"] / 5600 == pytest.approx(1 / 28, abs=0.012)
     capped = Counter(choose_peers(list(rates), stats, 1, rng, 4096, explore=0.0, rates=rates,
                                   power=3.0)[0] for _ in range(4000))
-    mid = 3.0  # median of the three rates
-    weights = {"liar": (RATE_BIAS_CAP * mid) ** 3, "a": 3.0**3, "b": 1.0}
+    top = 3.0  # the upper quartile of the three rates (the lower rank: the middle one)
+    weights = {"liar": (RATE_BIAS_CAP * top) ** 3, "a": 3.0**3, "b": 1.0}
     assert capped["liar"] / 4000 == pytest.approx(weights["liar"] / sum(weights.values()),
                                                   abs=0.02)
     same = [choose_peers(list(rates), stats, 1, np.random.default_rng(5), 4096, rates=rates)
@@ -138,6 +139,18 @@ def test_rates_weigh_to_a_power_and_the_cap_holds_before_it():
                                  rates=rates, power=1.0) for _ in range(3)]
     with pytest.raises(ValueError):
         choose_peers(["a"], stats, 1, np.random.default_rng(0), 10, power=0.5)
+
+
+def test_the_cap_is_the_upper_quartile_so_a_fleet_of_pis_does_not_flatten_servers():
+    fleet = {f"pi{i}": 0.2 for i in range(20)} | {f"lap{i}": 1.3 for i in range(8)} | {
+        f"desk{i}": 2.3 for i in range(10)} | {"srv0": 7.3, "srv1": 7.3}
+    assert upper_quartile(list(fleet.values())) == 2.3  # 4x: 9.2, above a server's 7.3
+    assert upper_quartile([1.0, 1e9]) == 1.0 and upper_quartile([5.0]) == 5.0
+    stats = {p: PeerStats(rtt=0.01, bandwidth=1e8) for p in fleet}
+    rng = np.random.default_rng(6)
+    draws = Counter(choose_peers(list(fleet), stats, 1, rng, 4096, explore=0.0, rates=fleet,
+                                 power=3.0)[0][:3] for _ in range(3000))
+    assert draws["srv"] > 0.6 * 3000  # 2 x 7.3^3 against 10 x 2.3^3 + 8 x 1.3^3: 0.84
 
 
 def test_choice_is_seeded_and_ignores_the_order_of_ids():

@@ -12,7 +12,7 @@ import pytest
 
 from sims.engine import Engine
 from sims.links import Hop, Resource, constant, transmit
-from sims.network import FIBRE, STARLINK, Network, Site, Uplink
+from sims.network import CONTROL_BYTES, CONTROL_WAIT, FIBRE, STARLINK, Network, Site, Uplink
 
 MB = 1_000_000
 
@@ -32,6 +32,37 @@ def test_fifo_queueing_on_one_resource():
     assert times == pytest.approx([1.01, 2.01])  # the second waits for the first
     assert link.utilisation(4.0) == pytest.approx(0.5)
     assert link.utilisation(1.5) == pytest.approx(1.0)  # work booked past 1.5 s excluded
+
+
+def test_a_control_message_waits_at_most_its_cap_for_the_bulk_ahead():
+    """A small message given a wait cap goes between a bulk message's packets: it waits at
+    most the cap (not the whole 1 MB ahead of it), and the bulk's end moves by its work."""
+    engine = Engine()
+    link = Resource("link", rate=1e6)
+    got = {}
+    transmit(engine, [Hop(link)], MB, random.Random(0), lambda t: got.setdefault("bulk", t))
+    transmit(engine, [Hop(link)], 1000, random.Random(0), lambda t: got.setdefault("ctl", t),
+             wait_cap=0.05)
+    transmit(engine, [Hop(link)], 1000, random.Random(0), lambda t: got.setdefault("fifo", t))
+    engine.run_until(10.0)
+    assert got["ctl"].delivered == pytest.approx(0.05 + 0.001)
+    assert got["fifo"].delivered == pytest.approx(1.0 + 0.001 + 0.001)  # behind both
+    assert link.busy_until == pytest.approx(1.002) and link.utilisation(2.0) == pytest.approx(
+        1.002 / 2.0)
+
+
+def test_the_network_sends_small_control_messages_between_bulk_packets():
+    """Through the shared air, a heartbeat sent after a 10 MB exchange arrives within the
+    control wait at each of its two hops (the air, the receiver's NIC); a message that is
+    not bulk but large (1 MB) still queues behind the exchange."""
+    engine, net = _lab()
+    times = {}
+    net.send(0, 2, 10 * MB, lambda: times.setdefault("bulk", engine.now), bulk=True)
+    net.send(1, 2, 200, lambda: times.setdefault("heartbeat", engine.now))
+    net.send(1, 2, MB, lambda: times.setdefault("large", engine.now))
+    engine.run_until(100.0)
+    assert times["heartbeat"] < 2 * CONTROL_WAIT + 0.01 < 1.0 < times["bulk"] < times["large"]
+    assert CONTROL_BYTES >= 1 << 10
 
 
 def test_cut_through_does_not_pay_each_hop_in_full():

@@ -2,8 +2,8 @@
 run (issue 17: "bytes per trained sample against dense fp32 gradient exchange and final loss
 against the best configuration").
 
-    python -m tests.bench.realgossip [--configs A,B,B3,C,D,D16,E,F,S] [--seeds 2] [--first-seed 0]
-                                     [--total-samples 200000] [--timeout 900]
+    python -m tests.bench.realgossip [--configs A,B,B3,B3o,C,D,D16,E,F,S] [--seeds 2]
+                                     [--first-seed 0] [--total-samples 200000] [--timeout 900]
                                      [--json OUT] [--keep DIR]
     python -m tests.bench.realgossip --table OUT [OUT ...]   # the table of saved runs
 
@@ -67,6 +67,11 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {  # None: one node alone
     # the default since 2026-12-02 (B was the default before)
     "B3": ("B with pull power 3, pull at most 0.99", {"average_pull_max": 0.99,
                                                      "average_pull_power": 3.0}),
+    # B3 with partners drawn as before 2026-12-02 evening (B3 itself draws as the default
+    # does: rates cubed, only once observed)
+    "B3o": ("B3 with draws by the rate itself, unknown rates at the median",
+            {"average_pull_max": 0.99, "average_pull_power": 3.0, "average_draw_power": 1.0,
+             "average_known_rates": False}),
     "C": ("rate-weighted averaging every step", {"average_pull_max": 0.9, "average_every": 1,
                                                  "average_pull_power": 1.0}),
     "D": ("outer steps H 20, top-k 5% to 1 peer, no averaging, no rewind",

@@ -26,14 +26,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 DEFAULT_RTT = 0.05  # seconds assumed when no peer has been measured yet
 DEFAULT_BANDWIDTH = 1.25e6  # bytes/s assumed when no peer has been measured (10 Mbit/s)
-RATE_BIAS_CAP = 4.0  # a peer's rate weighs at most this many times the median rate
+RATE_BIAS_CAP = 4.0  # a peer's rate weighs at most this many times the upper quartile
 MIN_BANDWIDTH_BYTES = 16 << 10  # smaller transfers say little about bandwidth: RTT dominates
 
 
@@ -202,6 +202,15 @@ def give_up_seconds(stats: Mapping[str, PeerStats], peer: str, message_bytes: in
     return max(floor, min(ceiling, margin * expected))
 
 
+def upper_quartile(values: Sequence[float]) -> float:
+    """The 75th percentile of `values` (the lower of the two ranks around it, so never the
+    largest of two to four values): what a peer's rate counts at most `RATE_BIAS_CAP` times
+    in a draw. Not the median: in a fleet of half Pis the median is a Pi's rate, and 4x it
+    held a server's weight to a desktop's; a minority of members cannot move it far."""
+    ordered = sorted(values)
+    return ordered[int(0.75 * (len(ordered) - 1))]
+
+
 def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout: int,
                  rng: np.random.Generator, message_bytes: int, explore: float = 0.1,
                  rates: Mapping[str, float | None] | None = None,
@@ -209,10 +218,10 @@ def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout
     """`fanout` distinct peers from `eligible` (all of them, in random order, if fewer),
     drawn without replacement with probability proportional to 1 / delivery time -- times
     the peer's sample rate to the `power` if `rates` are given (unknown or 0: the median of
-    the known; at most `RATE_BIAS_CAP` x that median before the power, so an inflated count
-    cannot take every draw) -- floored at `explore` x the mean weight. The result depends
-    only on the set of eligible ids, the stats, the rates and the generator's state, not on
-    the order the ids are given in."""
+    the known; at most `RATE_BIAS_CAP` x their upper quartile before the power, so an
+    inflated count cannot take every draw) -- floored at `explore` x the mean weight. The
+    result depends only on the set of eligible ids, the stats, the rates and the generator's
+    state, not on the order the ids are given in."""
     if fanout < 0 or not 0.0 <= explore <= 1.0 or not 1.0 <= power <= 16.0:
         raise ValueError(f"fanout must be >= 0, explore in [0, 1] and power in [1, 16]: "
                          f"{fanout}, {explore}, {power}")
@@ -224,9 +233,9 @@ def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout
     rates = rates or {}
     known = [r for p in peers if (r := rates.get(p)) is not None and r > 0]
     if known:
-        mid = statistics.median(known)
-        scale = mid if power != 1.0 else 1.0  # no overflow; at 1 the very weights of before
-        weights *= [(min(rates.get(p) or mid, RATE_BIAS_CAP * mid) / scale) ** power
+        mid, top = statistics.median(known), upper_quartile(known)
+        scale = mid if power != 1.0 else 1.0  # no overflow at a high power
+        weights *= [(min(rates.get(p) or mid, RATE_BIAS_CAP * top) / scale) ** power
                     for p in peers]
     np.maximum(weights, explore * weights.mean(), out=weights)
     picks = rng.choice(len(peers), size=min(fanout, len(peers)), replace=False,
