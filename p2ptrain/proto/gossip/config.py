@@ -76,9 +76,6 @@ class GossipConfig:
         0.01, "averaging partners are drawn by link speed and sample rate, each eligible peer "
         "weighted at least this times the mean weight (exploration): an exchange with a slow "
         "peer holds the node's one averaging exchange for its whole length", minimum=0)
-    # 5 s: the 32,768 swarm samples this bound was before (issue 17) at the seed fleet's
-    # ~6,700 samples/s; seconds hold across model sizes, where a count of samples does not
-    # (at 1B parameters the same fleet makes a few samples per second)
     average_draw_power: float = option(
         3.0, "averaging partners are drawn by link speed times their sample rate raised to "
         "this power: above 1 a node draws peers as fast as itself or faster far more often "
@@ -89,6 +86,9 @@ class GossipConfig:
         "(their progress watched for 2 s): one that has shown none has no steps of its own "
         "to give, and at the start of a run a blind draw is mostly of slow peers; while no "
         "partner's rate is known, a due exchange is skipped")
+    # 5 s: the 32,768 swarm samples this bound was before (issue 17) at the seed fleet's
+    # ~6,700 samples/s; seconds hold across model sizes, where a count of samples does not
+    # (at 1B parameters the same fleet makes a few samples per second)
     max_staleness_seconds: float = option(5.0, "peer gradients older than this many seconds "
                                           "of the swarm's sample rate are dropped (age is "
                                           "counted in swarm samples and converted with the "

@@ -204,7 +204,7 @@ def give_up_seconds(stats: Mapping[str, PeerStats], peer: str, message_bytes: in
 
 def upper_quartile(values: Sequence[float]) -> float:
     """The 75th percentile of `values` (the lower of the two ranks around it, so never the
-    largest of two to four values): what a peer's rate counts at most `RATE_BIAS_CAP` times
+    largest of two or more values): what a peer's rate counts at most `RATE_BIAS_CAP` times
     in a draw. Not the median: in a fleet of half Pis the median is a Pi's rate, and 4x it
     held a server's weight to a desktop's; a minority of members cannot move it far."""
     ordered = sorted(values)
