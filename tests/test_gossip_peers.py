@@ -119,8 +119,8 @@ def test_averaging_partners_weighted_by_sample_rate_within_a_cap():
 
 def test_rates_weigh_to_a_power_and_the_cap_holds_before_it():
     """At power 3 a peer at a third of another's rate weighs 1/27 of it; an inflated rate
-    is capped at RATE_BIAS_CAP x the median before the power; at 1 the weights are the
-    rates' own (the same draws as without the argument)."""
+    is capped at RATE_BIAS_CAP x the upper quartile before the power; at 1 the weights are
+    the rates' own; rates 60 orders of magnitude apart still draw at power 16."""
     stats = {p: PeerStats(rtt=0.01, bandwidth=1e8) for p in ("a", "b", "liar")}
     rates = {"a": 3.0, "b": 1.0, "liar": 1e9}
     rng = np.random.default_rng(3)
@@ -133,10 +133,14 @@ def test_rates_weigh_to_a_power_and_the_cap_holds_before_it():
     weights = {"liar": (RATE_BIAS_CAP * top) ** 3, "a": 3.0**3, "b": 1.0}
     assert capped["liar"] / 4000 == pytest.approx(weights["liar"] / sum(weights.values()),
                                                   abs=0.02)
-    same = [choose_peers(list(rates), stats, 1, np.random.default_rng(5), 4096, rates=rates)
-            for _ in range(3)]
-    assert same == [choose_peers(list(rates), stats, 1, np.random.default_rng(5), 4096,
-                                 rates=rates, power=1.0) for _ in range(3)]
+    linear = Counter(choose_peers(["a", "b"], stats, 1, rng, 4096, explore=0.0, rates=rates,
+                                  power=1.0)[0] for _ in range(4000))
+    assert linear["b"] / 4000 == pytest.approx(1 / 4, abs=0.03)
+    # two partners 60 orders apart: the median (their mean) is far above the cap (4x the
+    # slower one); weighed against the median both would underflow to 0 at power 16
+    spread = {"a": 1e-30, "b": 1e30}
+    assert choose_peers(list(spread), {}, 1, rng, 4096, explore=0.0, rates=spread,
+                        power=16.0) in (("a",), ("b",))
     with pytest.raises(ValueError):
         choose_peers(["a"], stats, 1, np.random.default_rng(0), 10, power=0.5)
 

@@ -151,10 +151,9 @@ class PeerTable:
         """The one averaging partner of an exchange, drawn as `choose` draws (rates weighed
         if given); with `known_only` and `rates`, only among the partners whose rate is known
         (None: none is yet, no exchange now)."""
-        eligible = sorted(set(partners))
         if rates is not None and known_only:
-            eligible = [p for p in eligible if rates.get(p) is not None]
-        picks = self.choose(eligible, 1, rng, message_bytes, explore, rates, power)
+            partners = [p for p in partners if rates.get(p) is not None]
+        picks = self.choose(partners, 1, rng, message_bytes, explore, rates, power)
         return picks[0] if picks else None
 
 
@@ -234,7 +233,9 @@ def choose_peers(eligible: Iterable[str], stats: Mapping[str, PeerStats], fanout
     known = [r for p in peers if (r := rates.get(p)) is not None and r > 0]
     if known:
         mid, top = statistics.median(known), upper_quartile(known)
-        scale = mid if power != 1.0 else 1.0  # no overflow at a high power
+        # relative to the quartile (a known rate: it weighs 1): at most 4^power, and never
+        # all zero by underflow, whatever the rates; at power 1 the rates as they are
+        scale = top if power != 1.0 else 1.0
         weights *= [(min(rates.get(p) or mid, RATE_BIAS_CAP * top) / scale) ** power
                     for p in peers]
     np.maximum(weights, explore * weights.mean(), out=weights)
