@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sims.fleet import Training
 from sims.scenario import load
 from tests.bench import proxybatch
@@ -34,3 +36,22 @@ def test_a_fleet_mixed_ideally_reaches_a_loose_target_and_repeats():
                                  [2, 2, 1]) == batched
     never = proxybatch.fleet_time(training, times, 2.0, "all", 4e-3, 0.5, 40.0, 1)
     assert never[0] is None and never[1] > 0.5
+
+
+def test_a_finer_evaluation_grid_and_the_fastest_machines_alone(capsys):
+    """`check` evaluates on a finer grid (a time no later than the 20 s grid's, on its own
+    grid); `--first 1` runs one machine of those chosen; bad values are refused."""
+    training = Training(load("seed-1b-lora"))
+    times = [0.5, 0.5, 3.0]
+    coarse = proxybatch.fleet_time(training, times, 2.0, "all", 4e-3, 4.5, 400.0, 1)
+    fine = proxybatch.fleet_time(training, times, 2.0, "all", 4e-3, 4.5, 400.0, 1, check=4.0)
+    assert fine[0] is not None and fine[0] % 4.0 == 0 and fine[0] <= coarse[0]
+    proxybatch.main(["--scenario", "seed-1b-lora", "--fleet", "--slowest", "1", "--first", "1",
+                     "--period", "2", "--modes", "all", "--lrs", "4e-3", "--target", "4.5",
+                     "--horizon", "200", "--check", "4"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("fleet")]
+    assert len(lines) == 1 and " of 1: " in lines[0] and "server" in lines[0]
+    for bad in (["--check", "0"], ["--first", "-1"]):
+        with pytest.raises(SystemExit) as refused:
+            proxybatch.main(["--fleet", *bad])
+        assert refused.value.code == 2

@@ -174,6 +174,37 @@ def test_outbound_only_members_never_claim():
                for key in monitor.claims)
 
 
+def test_a_member_holding_its_claims_neither_claims_nor_wakes_for_it_until_released():
+    """Control.hold_claims (a joiner fetching the swarm's checkpoint): the best successor
+    holds while the leader dies, so the next one claims; held, its lapse asks for no wake-up
+    (a deadline in the past would wake it for ever); released, it follows -- and, alone,
+    claims."""
+    cluster, monitor = _monitored(3, seed=4)
+    cluster.run_until(5.0)
+    old = _agreed_leader(cluster)
+    best = _best(cluster, [i for i in cluster.up() if i != old])
+    cluster.control(best).hold_claims(True)
+    cluster.crash(old)
+    cluster.run_for(LOCAL.failover_bound(1) + 1.0)
+    nxt = cluster.leaders()
+    assert nxt and best not in nxt
+    election = cluster.control(best).election
+    assert not election.leading and election.claim_at is None
+    cluster.control(best).hold_claims(False)
+    cluster.run_for(2.0)
+    assert cluster.leaders() == nxt and cluster.control(best).leader is not None
+    cluster.control(best).hold_claims(True)
+    cluster.crash(nxt[0])
+    cluster.run_for(LOCAL.failover_bound(0) + 1.0)
+    assert cluster.leaders() == [] and election.lapse_reported
+    deadline = election.next_deadline()
+    assert deadline is None or deadline > cluster.now
+    cluster.control(best).hold_claims(False)
+    cluster.run_for(LOCAL.failover_bound(0) + 1.0)
+    assert cluster.leaders() == [best]
+    assert monitor.violations == []
+
+
 def test_checkpoints_follow_the_leaders_clock_and_carry_term_step_and_samples():
     cluster, monitor = _monitored(4, seed=9, progress_interval=0.5)
     cluster.run_until(30.0)

@@ -270,3 +270,44 @@ def test_a_joiner_waits_a_little_for_its_first_member_list_before_choosing():
     assert short.next_deadline() == 3.0 < 1.0 + LISTING_GRACE
     (fetch,) = short.advance(3.0, "me", "L", to, None, None, 0)
     assert type(fetch) is FetchCheckpoint and short.next_deadline() is None
+
+
+def _claims_during_join(c: TrainingCluster, i: int, deadline: float) -> tuple[bool, float]:
+    """Run until node i's join is over (at most `deadline`): (whether it led meanwhile, when
+    its join ended)."""
+    node, led = c.training_node(i), False
+    while not node.join.done:
+        assert c.now < deadline, f"node {i}'s join did not end: {node.join.state}"
+        c.run_for(0.05)
+        led = led or node.is_leader
+    return led, c.now
+
+
+def test_a_joiner_claims_no_leadership_while_it_fetches(monkeypatch):
+    """The leader dies while a restarted node that outranks the other follower fetches its
+    checkpoint (a slow fetch): the follower that trained takes over; the joiner, whose
+    replica is behind, claims nothing until its join is over, then adopts the new leader's
+    checkpoint and follows. With the rule off, the same joiner claims at the lapse."""
+    for rule in (True, False):
+        c = trained_cluster(seed=3)
+        leader = c.leaders()[0]
+        follower, joiner = sorted((i for i in range(3) if i != leader),
+                                  key=lambda i: c.control(i).me.priority_key())
+        c.crash(joiner)
+        c.run_for(3.0)
+        c.fetch_seconds = 20.0
+        c.restart(joiner)
+        node = c.training_node(joiner)
+        if not rule:
+            monkeypatch.setattr(node.control, "hold_claims", lambda held: None)
+        while node.join.state != "fetching":
+            assert c.now < 40.0
+            c.run_for(0.05)
+        c.crash(leader)
+        led, _ = _claims_during_join(c, joiner, c.now + 60.0)
+        assert led is not rule
+        if rule:
+            assert c.leaders() == [follower]
+            assert node.join.reason.startswith("weights from the leader's checkpoint")
+            c.run_for(2.0)
+            assert c.leaders() == [follower] and node.learner.step > 0

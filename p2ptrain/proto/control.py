@@ -318,6 +318,11 @@ class Control:
                 return "claim priority disagrees with the member's record"
         return None
 
+    def hold_claims(self, held: bool) -> None:
+        """While `held`, this node claims no leadership, whatever lapses (Election.claims_held:
+        a joiner whose replica is behind the swarm's)."""
+        self.election.claims_held = bool(held)
+
     def _rank(self) -> int:
         """Live members that could lead and outrank this node (the lapsed leader excluded)."""
         lapsed = self.election.view.leader if self.election.view is not None else None

@@ -15,7 +15,10 @@
   steps down at once and sends the winner `Yield` until it has moved to a term above both
   (also said by a restarted member that knew a later term); a leader that hears another
   leader directly, or one of its own term by relay, moves up at once. So checkpoint
-  (term, step) keeps growing when a partition heals. Outbound-only members never claim.
+  (term, step) keeps growing when a partition heals. Outbound-only members never claim, nor
+  does a member while `claims_held` (the node sets it from its join's first checkpoint fetch
+  until the join ends: its replica is behind, and a lapse meanwhile is for members that
+  trained).
 - Bounded steps (issue 13): a view more than `max_epoch_step` above this node's term is not
   followed; the term grows by that one step instead (Control refuses such a claim outright
   when it comes from the claimant itself), so one member cannot move the swarm's terms to
@@ -58,6 +61,7 @@ class Election:
         self.gaps: deque[float] = deque(maxlen=RENEWAL_WINDOW)  # recent gaps between renewals
         self.lapse_reported = False
         self.claim_at: float | None = None
+        self.claims_held = False  # no claim now, lapse or not (set by the node; see above)
         self.next_heartbeat = 0.0
         self.yield_term = 0  # the term we led (or knew) when we started yielding
         self.yield_to: LeaderView | None = None  # the winner we yield to, until it moves up
@@ -160,7 +164,7 @@ class Election:
             deadlines.append(self.next_yield)
         if self.claim_at is not None:
             deadlines.append(self.claim_at)
-        elif not self.lapse_reported or not self.me.outbound_only:
+        elif not self.lapse_reported or not (self.me.outbound_only or self.claims_held):
             deadlines.append(self.lease_until)
         return min(deadlines) if deadlines else None
 
@@ -188,7 +192,9 @@ class Election:
                 self.lapse_reported = True
                 if self.view is not None:
                     actions.append(LeaderChanged(self.term, None))
-            if self.claim_at is None and not self.me.outbound_only:
+            if self.claims_held or self.me.outbound_only:
+                self.claim_at = None  # held: back-off counts from the lapse once released
+            elif self.claim_at is None:
                 self.claim_at = self.lease_until + rank() * cfg.claim_backoff
             if self.claim_at is not None and now >= self.claim_at:
                 self._claim(now, self.term + 1, msgs, actions)

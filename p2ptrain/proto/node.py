@@ -26,7 +26,7 @@ Rules it keeps:
   and lets nothing it hears move the learner's counters or weights; it asks the driver to
   `FetchCheckpoint` from the leader and, given `CheckpointFetched`, emits `AdoptCheckpoint`
   when the checkpoint is newer than the replica it started with (the driver loads it before
-  the next event), then `Joined`.
+  the next event), then `Joined`. From its first fetch until then it claims no leadership.
 - Push targets and averaging partners are members the control plane holds *alive* (never
   suspect or dead) that accept connections (not outbound-only).
 
@@ -265,6 +265,7 @@ class Node:
             actions += self.join.advance(
                 now, self.node_id, self.control.leader, self.sources_of, self._swarm_loss(),
                 lambda lead: preferred(lead, self._addr_of, held, members()), held.listings)
+        self.control.hold_claims(not self.join.done and self.join.attempt > 0)
         for action in list(actions):
             if (type(action) is RemoteError and action.offence and action.sender
                     and action.sender != self.node_id):
@@ -426,9 +427,8 @@ class Node:
                 "leader": row["leader"], "step": step, "loss": loss, "samples": row["samples"],
                 "bytes_in": self.bytes_in[peer], "bytes_out": self.bytes_out[peer],
                 "rtt_ms": None if stats.rtt is None else stats.rtt * 1e3,
-                "bandwidth": stats.bandwidth,
+                "bandwidth": stats.bandwidth, "holds": holding_doc(holdings.of(peer)),
                 "gradients_used": trainer.mixer.used[bytes.fromhex(peer)],
-                "holds": holding_doc(holdings.of(peer)),
                 "averages_refused": trainer.guard.refused[peer]})
         mix = trainer.last_mix
         return {

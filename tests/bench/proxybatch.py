@@ -102,10 +102,11 @@ def steps_averaged(training: Training, replicas: int, every: int, lr: float, tar
 
 def fleet_time(training: Training, step_seconds: list[float], period: float, mode: str,
                lr: float, target: float, horizon: float, seed: int,
-               batches: list[int] | None = None) -> tuple[float | None, float]:
+               batches: list[int] | None = None,
+               check: float = FLEET_CHECK) -> tuple[float | None, float]:
     """(simulated seconds to the target or None, the last loss) of one replica per entry of
     `step_seconds` (fastest first; `batches`: each one's batch, 1 if not given), mixed every
-    `period` seconds by `mode` ("all" / "pairs")."""
+    `period` seconds by `mode` ("all" / "pairs"), evaluated every `check` seconds."""
     settings = dataclasses.replace(training.settings, lr=lr)
     batches = batches or [1] * len(step_seconds)
     learners = [Learner(training.model, f"f{i + 1}", settings, training.corpus, b, 1, 1)
@@ -115,7 +116,7 @@ def fleet_time(training: Training, step_seconds: list[float], period: float, mod
     rng = np.random.default_rng(seed)
     due = list(step_seconds)  # when each replica's next step completes
     mean = np.empty_like(learners[0].params)
-    now, next_check, loss = 0.0, FLEET_CHECK, float("inf")
+    now, next_check, loss = 0.0, check, float("inf")
     while now < horizon:
         now += period
         steps = np.zeros(len(learners))
@@ -142,7 +143,7 @@ def fleet_time(training: Training, step_seconds: list[float], period: float, mod
                 learners[b].params -= np.float32(pb) * diff
             np.copyto(mean, learners[0].params)
         if now >= next_check:
-            next_check += FLEET_CHECK
+            next_check += check
             loss = training.heldout_loss(mean)
             if loss <= target:
                 return now, loss
@@ -168,7 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--horizon", type=float, default=1500.0,
                         help="fleet runs: simulated seconds at most")
     parser.add_argument("--seed", type=int, default=1, help="fleet runs: the matchings' seed")
+    parser.add_argument("--check", type=float, default=FLEET_CHECK,
+                        help="fleet runs: simulated seconds between evaluations")
+    parser.add_argument("--first", type=int, default=0,
+                        help="fleet runs: only the N fastest machines of those chosen (0: all)")
     args = parser.parse_args(argv)
+    if not (args.check > 0 and args.first >= 0):
+        parser.error("--check must be > 0 and --first >= 0")
     scenario = load(args.scenario)
     target = args.target if args.target is not None else scenario.target_loss
     training = Training(scenario)
@@ -181,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
             chosen = [g for g in groups if g["step_seconds"] <= slowest]
             times = [g["step_seconds"] for g in chosen for _ in range(g["count"])]
             batches = [g["batch"] for g in chosen for _ in range(g["count"])]
+            if args.first > 0:
+                times, batches = times[: args.first], batches[: args.first]
             names = ", ".join(f"{g['count']} {g['device']} (b{g['batch']}, "
                               f"{g['step_seconds']:g} s)" for g in chosen)
             for period in _floats(args.period):
@@ -188,8 +197,9 @@ def main(argv: list[str] | None = None) -> None:
                     for lr in _floats(args.lrs):
                         t0 = time.perf_counter()
                         when, loss = fleet_time(training, times, period, mode, lr, target,
-                                                args.horizon, args.seed, batches)
-                        print(f"fleet {mode:5s} every {period:g} s lr {lr:g} of {names}: "
+                                                args.horizon, args.seed, batches, args.check)
+                        print(f"fleet {mode:5s} every {period:g} s lr {lr:g} of "
+                              f"{len(times)}: {names}: "
                               f"{when if when is None else f'{when:.0f} s'} (last loss "
                               f"{loss:.3f}, {time.perf_counter() - t0:.0f} s)", flush=True)
         return
