@@ -165,6 +165,28 @@ def test_a_wrecked_or_far_worse_checkpoint_is_refused():
             assert actions[0].reason.startswith("refused the leader's checkpoint")
 
 
+def test_a_fresh_node_does_not_adopt_weights_no_better_than_its_own_random_ones():
+    """Weights that predict uniformly (a hostile leader's all-65,504, say) score a fresh
+    replica's loss: a node that starts fresh keeps its own, whatever loss the leader reports,
+    and names no one (an honest swarm that has not learned yet looks the same); a clearly
+    better checkpoint is adopted; a node with samples of its own judges as before."""
+    for own_samples, loss, swarm_loss, adopted in [
+        (0, 5.545, 9.0, False),  # as good as random; the leader reports a high loss
+        (0, 5.545, None, False),
+        (0, 5.50, 5.4, False),  # within the margin of fresh weights
+        (0, 5.40, 5.4, True),  # clearly better than fresh
+        (50, 5.545, 9.0, True),  # not fresh: within tolerance of what the swarm reports
+    ]:
+        join = _join(0.0, own_samples, 5, 3, 1, 4)
+        join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",), swarm_loss=swarm_loss)
+        actions = join.fetched(0.5, CheckpointFetched("ck", 900, loss=loss, own_loss=5.546))
+        names = [type(a).__name__ for a in actions]
+        assert join.done and join.refused is None, (own_samples, loss, join.reason)
+        assert names == (["AdoptCheckpoint", "Joined"] if adopted else ["Joined"]), names
+        if not adopted:
+            assert join.reason.startswith("the leader's checkpoint is no better than fresh")
+
+
 def test_a_joiner_fetches_from_the_leader_and_every_member_holding_the_same_checkpoint():
     """Issue 14: members gossip what they hold; a joiner's FetchCheckpoint names the leader
     first, then each member that holds the leader's checkpoint (here: the one that joined
@@ -194,13 +216,15 @@ def test_a_joiner_fetches_from_the_leader_and_every_member_holding_the_same_chec
 
 def test_a_checkpoint_is_judged_against_the_swarm_as_it_was_when_the_fetch_began():
     """A 4 GB fetch takes minutes; the swarm's loss falls meanwhile. The yardstick is the
-    loss reported when the fetch began, not the one reported when it ends."""
-    join = _join(0.0, 0, 10.0, 3, 1.0, 4.0)
+    loss reported when the fetch began, not the one reported when it ends. (A node with some
+    samples of its own: one that starts fresh also wants the checkpoint better than fresh
+    weights.)"""
+    join = _join(0.0, 50, 10.0, 3, 1.0, 4.0)
     join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",), swarm_loss=2.6)
     done = join.fetched(600.0, CheckpointFetched("ck", 900, loss=2.58, own_loss=2.0),
                         reference=1.8)  # the swarm trained on for ten minutes
     assert any(type(a) is AdoptCheckpoint for a in done) and join.refused is None
-    join = _join(0.0, 0, 10.0, 3, 1.0, 4.0)
+    join = _join(0.0, 50, 10.0, 3, 1.0, 4.0)
     join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",), swarm_loss=1.8)
     join.fetched(600.0, CheckpointFetched("ck", 900, loss=2.58, own_loss=2.0), reference=2.6)
     assert join.refused == "L"  # far worse than the swarm was and than our own: refused

@@ -16,7 +16,12 @@ Rules it keeps:
   above both what the swarm reported when the fetch began and our own replica's: a hostile
   or broken leader cannot hand its joiners wrecked weights, an honest checkpoint is not
   judged by how far the swarm got while a big fetch ran, and one better than our own is
-  never refused. The leader whose checkpoint was refused is named (`refused`).
+  never refused. The leader whose checkpoint was refused is named (`refused`). A node that
+  starts from fresh weights (no samples) adopts only a checkpoint clearly better than them
+  (`FRESH_MARGIN`): weights as good as random by the loss -- a degenerate replica that
+  predicts uniformly, which no step moves and no averaging reaches -- are not taken, from a
+  hostile leader that reports a high loss of its own or from an honest swarm that has not
+  learned yet (then without naming the leader).
 - The fetch names the leader's address first, then every member that says it holds the same
   checkpoint (holdings.py): the driver pulls chunks from all of them at once. Which
   checkpoint: the leader's that the most members hold (`swarm_choice`), asked for by name, so
@@ -47,6 +52,9 @@ WAITING, FETCHING, BACKOFF, DONE = "waiting", "fetching", "backoff", "done"
 # fetch: it hears of the leader (a header) before it hears who else is fetching what (a
 # list), and would start on the newest alone; past this it chooses with what it knows
 LISTING_GRACE = 5.0
+# nats a fetched checkpoint's held-out loss must be below a fresh replica's to be adopted by a
+# node that starts from fresh weights (see the module docstring)
+FRESH_MARGIN = 0.05
 
 
 def median_loss(losses: Iterable[float | None]) -> float | None:
@@ -213,6 +221,11 @@ class Join:
                 self.refused = self.fetching_from
                 return self._finish(f"refused the leader's checkpoint ({problem}); starting "
                                     f"from the local weights")
+            if (self.own_samples == 0 and event.loss is not None and event.own_loss is not None
+                    and not event.loss < event.own_loss - FRESH_MARGIN):
+                return self._finish(f"the leader's checkpoint is no better than fresh weights "
+                                    f"(held-out loss {event.loss:.3f} against "
+                                    f"{event.own_loss:.3f}); starting from the local weights")
             if event.swarm_samples > self.own_samples:
                 return [AdoptCheckpoint(event.path, event.swarm_samples),
                         *self._finish(f"weights from the leader's checkpoint "
