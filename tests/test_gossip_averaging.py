@@ -82,14 +82,20 @@ def test_averaging_reduces_consensus_distance(mode):
         report, _ = exchange(av_a, av_b, xa, xb, seed)
         distances.append(report.distance)
         gaps.append(rms(xa - xb))
-    end = gaps[-1]
-    if AVERAGING_MODES[mode][0]:  # subsets: ~0.7^8 of the coordinates never covered
-        assert all(later < earlier for earlier, later in zip(gaps, gaps[1:], strict=False))
+    end, (subset, values) = gaps[-1], AVERAGING_MODES[mode]
+    # what rounding leaves: each side moves by the rounded difference, so the gap after an
+    # exchange is the two sides' rounding errors (int8: up to absmax/254 a block, here ~3/254)
+    residue = {"fp32": 1e-6, "fp16": 2e-3, "int8": 1e-2}[values]
+    if subset:  # ~0.7^8 of the coordinates never covered
+        if values == "int8":  # a run both sides already hold alike may round alike: no move
+            assert all(later <= earlier for earlier, later in zip(gaps, gaps[1:], strict=False))
+        else:
+            assert all(later < earlier for earlier, later in zip(gaps, gaps[1:], strict=False))
         assert end < 0.35 * start
-    else:  # one full exchange nearly closes it; fp16 leaves rounding residue only
-        assert distances[0] == pytest.approx(start, rel=1e-3)
-        assert distances[1] < (1e-6 if mode == "full" else 2e-3) * start
-        assert end < 2e-3 * start
+    else:  # one full exchange nearly closes it, to the rounding residue
+        assert distances[0] == pytest.approx(start, rel=1e-3 if values == "fp16" else 1e-2)
+        assert distances[1] < residue * start
+        assert end < residue * start
 
 
 def test_full_exchange_reports_the_distance_and_meets_in_the_middle():
@@ -139,10 +145,33 @@ def test_fp16_snapshot_is_what_the_peer_decodes():
     np.testing.assert_array_equal(decoded, again)
 
 
+@pytest.mark.parametrize("chunk", [700, 1024])
+def test_int8_snapshot_is_what_the_peer_decodes_chunk_by_chunk(chunk):
+    """int8 scales each block of 256 from its chunk's start: the own snapshot is rounded on
+    the same grid, so it is exactly what the peer decodes (distance 0), also when chunks are
+    not whole blocks; blocks of very different magnitudes make another grid show."""
+    av = ParameterAverager(AveragingPlan(N, values="int8"), chunk_elems=chunk)
+    x = params(4) * np.repeat(10.0 ** np.arange(-3, 3), -(-N // 6))[:N].astype(np.float32)
+    av.begin(x, 1)
+    sent = read_snapshot(av.messages(A_ID, 0))
+    decoded = np.concatenate([c.decode() for c in sent.chunks])
+    assert not np.array_equal(decoded, x)  # rounding happened
+    assert np.abs(decoded - x).max() <= np.abs(x).max() / 254 * 1.001
+    assert av.distance(sent) == 0.0
+    # rounding the whole vector on one grid from 0 agrees only when chunks are whole blocks
+    codec = AveragingPlan(N, values="int8").codec()
+    one_grid = np.zeros(N, np.float32)
+    raw = np.zeros(codec.encoded_size(N), np.uint8)
+    codec.encode_into(x, raw)
+    codec.decode_into(raw, one_grid)
+    assert np.array_equal(one_grid, decoded) == (chunk % 256 == 0)
+
+
 def test_bad_or_mismatched_replies_leave_params_untouched():
     xa, xb = params(1), params(2)
     for mode, tamper in [("full", "payload"), ("full", "seed"), ("fp16", "codec"),
-                         ("subset", "plan"), ("full", "missing"), ("full", "far")]:
+                         ("subset", "plan"), ("full", "missing"), ("full", "far"),
+                         ("int8", "code"), ("int8", "scale")]:
         av_a, av_b = pair(mode)
         if tamper == "far":
             av_a.max_distance = 0.5
@@ -158,6 +187,13 @@ def test_bad_or_mismatched_replies_leave_params_untouched():
         if tamper == "payload":  # a NaN in the values, with a valid checksum
             raw = bytearray(reply[1])
             raw[HEADER_SIZE : HEADER_SIZE + 4] = np.float32(np.nan).tobytes()
+            reply[1] = reseal(raw)
+        elif tamper in ("code", "scale"):  # int8: code -128, or a negative block scale
+            raw = bytearray(reply[1])
+            if tamper == "code":  # the 3 scales of a 700-value chunk, then its codes
+                raw[HEADER_SIZE + 12 + 5] = 0x80
+            else:
+                raw[HEADER_SIZE + 4 : HEADER_SIZE + 8] = np.float32(-1.0).tobytes()
             reply[1] = reseal(raw)
         elif tamper == "missing":
             reply = reply[:-1]

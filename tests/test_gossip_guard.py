@@ -1,6 +1,7 @@
 """Issue 13, item 10: averaging snapshots far from our replica are refused, as gradients are.
-One message of all-65,504 values (finite fp16) must change nothing and be refused visibly;
-honest replicas that drifted apart must still average again. Tiny mlp replicas, virtual time."""
+One message of all-65,504 values (finite fp16; 3e38 in int8) must change nothing and be refused
+visibly; honest replicas that drifted apart must still average again. Tiny mlp replicas,
+virtual time."""
 
 from __future__ import annotations
 
@@ -35,14 +36,16 @@ def _snapshot(c: TrainingCluster, i: int, values: np.ndarray, seed: int, part: i
     return chunks
 
 
-def test_an_averaging_request_of_all_65504_is_refused_and_changes_nothing():
-    c = _cluster()
+@pytest.mark.parametrize(("averaging", "value"), [("subset_fp16", FP16_MAX),
+                                                  ("subset_int8", 3e38)])  # int8: any float
+def test_an_averaging_request_of_all_65504_is_refused_and_changes_nothing(averaging, value):
+    c = _cluster(averaging=averaging)
     c.run_until(6.0)
     node = c.training_node(0)
     assert node.phase == "training" and node.trainer.stats["average_applied"] >= 1
     seed = 4242
     parts = node.trainer.plan.parts(seed)
-    chunks = _snapshot(c, 1, np.full(MODEL.space.size, FP16_MAX, np.float32), seed)
+    chunks = _snapshot(c, 1, np.full(MODEL.space.size, value, np.float32), seed)
     env = envelope_from(c, 1, 0, AverageRequest(seed, 3, {}, chunks, 0, parts))
     before = state(node)
     actions = c.inject(0, env, c.nodes[1].info.addr)

@@ -345,8 +345,9 @@ SLOW_OFFICE = {
     "nodes": [{"device": "server", "count": 2, "site": "dc", "medium": "wired"},
               {"device": "server", "count": 2, "site": "office", "medium": "wired"}],
     "sweep": {"nodes": [2]},
-    "methods": [{"name": "fixed", "kind": "gossip", "average_timeout_max": 90.0},
-                {"name": "scaled", "kind": "gossip"}],
+    "methods": [{"name": "fixed", "kind": "gossip", "average_timeout_max": 90.0,
+                 "averaging": "subset_fp16"},  # 200 MB an exchange (int8: 100 MB)
+                {"name": "scaled", "kind": "gossip", "averaging": "subset_fp16"}],
 }
 
 
@@ -379,8 +380,8 @@ class _Heavier:
 
 
 def test_auto_averaging_covers_everything_only_where_compute_dwarfs_the_exchange():
-    """`averaging = "auto"` (the default): a subset in fp16 for a fully trained model (~6 x
-    ctx_len FLOPs per coordinate and sample); every coordinate in fp16 once the model computes
+    """`averaging = "auto"` (the default): a subset in int8 for a fully trained model (~6 x
+    ctx_len FLOPs per coordinate and sample); every coordinate in int8 once the model computes
     AUTO_FULL_FLOPS per travelling coordinate (rank-16 LoRA on the seed-1b base: 19,470)."""
     config = GossipConfig()
     assert config.averaging == AUTO
@@ -388,16 +389,16 @@ def test_auto_averaging_covers_everything_only_where_compute_dwarfs_the_exchange
                           average_timeout=FLOOR, chunk_elems=1 << 20)
     n = plain.learner.model.space.n_params
     per = flops_per_coordinate(plain.learner.model, n)
-    assert per < AUTO_FULL_FLOPS and (plain.plan.fraction, plain.plan.values) == (0.1, "fp16")
+    assert per < AUTO_FULL_FLOPS and (plain.plan.fraction, plain.plan.values) == (0.1, "int8")
     heavy = learner("b" * 16)
     heavy.model = _Heavier(heavy.model, 2 * AUTO_FULL_FLOPS / per)
     full = GossipTrainer(config, heavy, np.random.default_rng(1), average_timeout=FLOOR,
                          chunk_elems=1 << 20)
-    assert (full.plan.fraction, full.plan.values) == (1.0, "fp16")
+    assert (full.plan.fraction, full.plan.values) == (1.0, "int8")
     seed1b = RWKVConfig(**dict(zip(("n_layer", "n_embd"), PRESETS["seed-1b"], strict=True)),
                         vocab_size=50277)
     params, flops = lora_sizes(seed1b, LoRAConfig(rank=16))
-    assert config.averaging_mode(flops * seed1b.ctx_len / params) == "fp16"
+    assert config.averaging_mode(flops * seed1b.ctx_len / params) == "int8"
     assert GossipConfig(averaging="subset").averaging_mode(1e9) == "subset"  # set by hand
 
 
@@ -408,10 +409,10 @@ def test_the_start_log_says_what_auto_averaging_resolved_to():
     settings = settings_of(resolve(None, {}, {}))
     model = build_model("rwkv")
     text = averaging_text(settings, model)
-    assert "a seeded 10% of the coordinates in fp16" in text and "every 5 steps" in text
+    assert "a seeded 10% of the coordinates in int8" in text and "every 5 steps" in text
     assert "(auto: 375 FLOPs" in text and "under 2,000" in text, text
     heavy = _Heavier(model, 10.0)
-    assert "every coordinate in fp16" in averaging_text(settings, heavy)
+    assert "every coordinate in int8" in averaging_text(settings, heavy)
     off = settings_of(resolve(None, {}, {"gossip.average_every": 0}))
     assert averaging_text(off, model).endswith("off (gossip.average_every = 0)")
     fixed = settings_of(resolve(None, {}, {"gossip.averaging": "full"}))

@@ -62,11 +62,11 @@ def reseal(raw: bytearray) -> bytes:
 
 
 def test_config_defaults_and_validation():
-    cfg = GossipConfig()  # the simulator's choice: pure averaging, 10% fp16 every 5 steps
+    cfg = GossipConfig()  # the simulator's choice: pure averaging, 10% int8 every 5 steps
     assert cfg.fanout == 0 and cfg.codec == "topk" and cfg.codec_params["fraction"] == 0.01
     assert (cfg.averaging, cfg.subset_fraction, cfg.max_staleness_seconds) == (
         "auto", 0.1, 5.0)  # auto: the 10% subset in full training, everything in LoRA mode
-    assert (cfg.averaging_mode(384.0), cfg.averaging_mode(19470.0)) == ("subset_fp16", "fp16")
+    assert (cfg.averaging_mode(384.0), cfg.averaging_mode(19470.0)) == ("subset_int8", "int8")
     assert cfg.uses_error_feedback
     assert not GossipConfig(codec="fp16", codec_params={}).uses_error_feedback
     assert [s for s in range(1, 31) if cfg.averaging_due(s)] == [5, 10, 15, 20, 25, 30]

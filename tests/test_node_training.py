@@ -4,7 +4,7 @@ real numpy gradients, the real control plane, every message through the wire enc
 one node training on 8x the batch for the same total samples. Twice: with DESIGN's gradient
 gossip switched on (topk 1% + error feedback to 2 peers, full push-pull averaging every 10
 steps: every node must use gradients from at least 2 peers) and with the shipped defaults
-(pure averaging of 10% of the coordinates in fp16 every 5 steps, chosen with the simulator).
+(pure averaging of 10% of the coordinates in int8 every 5 steps, chosen with the simulator).
 In both the consensus distance stays bounded, and the same run without communication
 (fanout=0, average_every=0) drifts at least 10x farther apart. About four minutes on 2 cores."""
 
@@ -109,7 +109,7 @@ OUTER = GossipConfig(outer_every=20, fanout=2, fraction=0.1, average_every=20,
 @pytest.mark.slow
 def test_eight_nodes_sharing_compressed_pseudo_gradients_train_like_one_node(baselines):
     """Issue 17's outer steps: every 20 steps each node sends the top 10% of the progress it
-    owes to 2 peers and moves by the average; 10% fp16 averaging every 20 steps holds the
+    owes to 2 peers and moves by the average; 10% int8 averaging every 20 steps holds the
     replicas together. Within 5% of one node with 8x the batch, like the default, with every
     node using its peers' pseudo-gradients, at 50x fewer bytes than one dense fp32 gradient
     per step. (This small run does not tell communication schemes apart well -- 8 nodes

@@ -70,7 +70,7 @@ def test_a_node_toml_section_pastes_into_a_simulator_method():
         assert (gossip.fanout, gossip.average_every) == (1, 3)
         assert gossip.codec_params == {"fraction": 0.003}
         assert node.average_timeout == 30.0
-        assert gossip.averaging == "subset_fp16"  # auto, for a fully trained model
+        assert gossip.averaging == "subset_int8"  # auto, for a fully trained model
     with pytest.raises(ValueError, match="fanot"):
         split_params({"gossip": {"fanot": 1}}, 384.0)
 
@@ -83,7 +83,7 @@ def test_auto_averaging_is_resolved_by_the_charged_models_compute_per_coordinate
     per = {name: ModelSize.from_spec(spec) for name, spec in (("lora", lora), ("full", full))}
     modes = {name: split_params({}, m.flops_per_sample / m.params)[0].averaging
              for name, m in per.items()}
-    assert modes == {"lora": "fp16", "full": "subset_fp16"}, modes
+    assert modes == {"lora": "int8", "full": "subset_int8"}, modes
     fixed, _ = split_params({"averaging": "subset"}, per["lora"].flops_per_sample / 1.0)
     assert fixed.averaging == "subset"
 

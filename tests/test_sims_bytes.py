@@ -59,7 +59,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.processes]
 # covers the same number of coordinates (a partial last run would change it by seed)
 SHAPE = RWKVConfig(n_layer=4, n_embd=16, ctx_len=16)
 BATCH = 8
-# the default averaging (10% of the coordinates in fp16 every 5 steps) plus gradient pushes
+# the default averaging (10% of the coordinates in int8 every 5 steps) plus gradient pushes
 # (top-k 1% to one peer): the three exchange kinds in one run
 GOSSIP = {"fanout": 1, "codec": "topk", "fraction": 0.01}
 KINDS = ("AverageRequest", "AverageReply", "GradientPush")

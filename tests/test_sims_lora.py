@@ -111,7 +111,7 @@ def test_auto_averaging_covers_every_adapter_in_lora_mode():
     travelling coordinate) -- ten times the subset's share of a vector 0.09 the size."""
     doc = sweep_doc([SMALL, lora(SMALL)])
     doc["methods"] = [{"name": "auto", "kind": "gossip"},
-                      {"name": "subset", "kind": "gossip", "averaging": "subset_fp16"}]
+                      {"name": "subset", "kind": "gossip", "averaging": "subset_int8"}]
     rows = {(r["name"], r["charge"]["mode"]): r["average_bytes"] - traffic.HEADER_BYTES
             for r in run.run_scenario(parse(doc))["points"]}
     assert rows[("auto", "full")] == rows[("subset", "full")]

@@ -76,6 +76,12 @@ def max_abs(a: np.ndarray) -> float:
     return float(max(np.max(a), -np.min(a)))
 
 
+def sum_squares(a: np.ndarray) -> float:
+    """Sum of squares of a float array, sub-block by sub-block (inf when it overflows)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return sum((float(np.dot(a[i:j], a[i:j])) for i, j in blocks(a.shape[0])), 0.0)
+
+
 def f32_to_f16_bits(x: np.ndarray, out: np.ndarray) -> None:
     """float32 -> float16 bit patterns (uint16), round to nearest with ties away from zero,
     saturating at +-65504; float16 subnormals are rounded exactly like normals.

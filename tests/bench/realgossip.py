@@ -2,7 +2,7 @@
 run (issue 17: "bytes per trained sample against dense fp32 gradient exchange and final loss
 against the best configuration").
 
-    python -m tests.bench.realgossip [--configs A,B,B3,B3o,C,D,D16,E,F,S] [--seeds 2]
+    python -m tests.bench.realgossip [--configs A,B,B3,B3o,I,C,D,D16,E,F,S] [--seeds 2]
                                      [--first-seed 0] [--total-samples 200000] [--timeout 900]
                                      [--json OUT] [--keep DIR]
     python -m tests.bench.realgossip --table OUT [OUT ...]   # the table of saved runs
@@ -60,20 +60,25 @@ BATCHES = (4, 6, 8)  # one node each: unequal sample rates
 HELDOUT_WINDOWS = 512
 POLL = 0.25  # s between status polls (the last one before a node exits is its figure)
 CONFIGS: dict[str, tuple[str, dict | None]] = {  # None: one node alone
+    # A, B, B3, B3o, C: pinned to fp16 values, as measured (the default is int8 now)
     "A": ("old default (averaging every 5, subset fp16 10%, pull 0.5)",
-          {"average_pull_max": 0.5}),  # pinned: the default is rate-weighted now
-    "B": ("rate-weighted averaging (pull max 0.9)", {"average_pull_max": 0.9,
-                                                      "average_pull_power": 1.0}),
-    # the default since 2026-12-02 (B was the default before)
-    "B3": ("B with pull power 3, pull at most 0.99", {"average_pull_max": 0.99,
-                                                     "average_pull_power": 3.0}),
+          {"average_pull_max": 0.5, "averaging": "subset_fp16"}),
+    "B": ("rate-weighted averaging (pull max 0.9)",
+          {"average_pull_max": 0.9, "average_pull_power": 1.0, "averaging": "subset_fp16"}),
+    # the default from 2026-12-02 (B was the default before) until int8 values (I)
+    "B3": ("B with pull power 3, pull at most 0.99 (values in fp16)",
+           {"average_pull_max": 0.99, "average_pull_power": 3.0, "averaging": "subset_fp16"}),
     # B3 with partners drawn as before 2026-12-02 evening (B3 itself draws as the default
     # does: rates cubed, only once observed)
     "B3o": ("B3 with draws by the rate itself, unknown rates at the median",
             {"average_pull_max": 0.99, "average_pull_power": 3.0, "average_draw_power": 1.0,
-             "average_known_rates": False}),
+             "average_known_rates": False, "averaging": "subset_fp16"}),
+    # the default since 2026-12-02, late
+    "I": ("B3 with the values in int8, a scale per 256 (subset_int8)",
+          {"average_pull_max": 0.99, "average_pull_power": 3.0, "averaging": "subset_int8"}),
     "C": ("rate-weighted averaging every step", {"average_pull_max": 0.9, "average_every": 1,
-                                                 "average_pull_power": 1.0}),
+                                                 "average_pull_power": 1.0,
+                                                 "averaging": "subset_fp16"}),
     "D": ("outer steps H 20, top-k 5% to 1 peer, no averaging, no rewind",
           {"outer_every": 20, "fanout": 1, "fraction": 0.05, "average_every": 0,
            "outer_momentum": 1.0, "outer_rewind": False}),  # e in 8 bits (the default)

@@ -5,7 +5,7 @@ side applies `(x_peer - x_self) / 2`, computed from the two *snapshots*, to its 
 parameters: local steps taken while the exchange was in flight are kept, and because the two
 sides add exactly opposite float32 values (`fl(a - b) == -fl(b - a)`, halving is exact), the
 pair's sum is preserved up to the rounding of the final additions. (Weighted by sample rates,
-`pull_share`, each side moves by its peer's share instead.) With fp16 values a side
+`pull_share`, each side moves by its peer's share instead.) With fp16 or int8 values a side
 rounds its own snapshot through the codec exactly as the peer will decode it, so both work
 from the same two rounded snapshots. A subset exchange covers a seeded stratified choice of
 runs of `block` consecutive coordinates; both sides derive it from the exchange's seed (carried
@@ -14,10 +14,8 @@ in every chunk's seed field) with the codecs' version-stable bit stream, so only
 Sequence, initiator:  begin(params, seed) -> send messages() -> finish(params, reply).
 Sequence, responder:  respond(params, request) -> (report, reply): it applies at once.
 If the initiator never gets a valid reply it calls abort(); the responder has then moved alone
-(a one-sided half step toward the peer): harmless for training, but that pair's sum is off.
-
-A half step that must wait (a step is running) goes into `HeldDeltas` instead of the
-parameters: the part's coordinates and values, added later.
+(a one-sided half step toward the peer): harmless for training, but that pair's sum is off. A
+half step that must wait (a step is running) goes into `HeldDeltas`, added later.
 
 This file owns the coordinate subset, the snapshot buffer and the update arithmetic. It never
 does I/O, never reads the clock, never draws from global random state, and after construction
@@ -35,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from p2ptrain.codecs import DEFAULT_CHUNK, Codec, CodecError, Message, make_codec, parse_message
-from p2ptrain.codecs.kernels import BLOCK, all_finite, bit_stream, blocks
+from p2ptrain.codecs.kernels import BLOCK, all_finite, bit_stream, blocks, sum_squares
 from p2ptrain.codecs.wire import Origin, chunk_bounds, encode_chunk
 
 # mode name -> (covers a subset, value type on the wire)
@@ -44,7 +42,10 @@ AVERAGING_MODES: dict[str, tuple[bool, str]] = {
     "fp16": (False, "fp16"),
     "subset": (True, "fp32"),
     "subset_fp16": (True, "fp16"),
+    "int8": (False, "int8"),
+    "subset_int8": (True, "int8"),
 }
+VALUE_CODECS = {"fp32": "none", "fp16": "fp16", "int8": "int8"}  # wire type -> codec name
 SUBSET_BLOCK = 256  # coordinates per run of a subset: cheap gathers, few index entries
 DEFAULT_PART = 1 << 21  # coordinates per part (8 MiB of fp32): a message of a few MB
 _MASK64 = (1 << 64) - 1
@@ -56,7 +57,7 @@ class AveragingPlan:
 
     n: int  # length of the flat parameter vector
     fraction: float = 1.0  # share of coordinates one exchange covers; 1.0 = all
-    values: str = "fp32"  # wire type of the values: "fp32" or "fp16"
+    values: str = "fp32"  # wire type of the values: "fp32", "fp16" or "int8"
     block: int = SUBSET_BLOCK  # a subset is made of runs of this many coordinates
     part: int = DEFAULT_PART  # coordinates per part: an exchange travels as independent parts
 
@@ -65,8 +66,9 @@ class AveragingPlan:
                 or self.part < 1):
             raise ValueError(f"bad averaging plan: n={self.n}, block={self.block}, "
                              f"fraction={self.fraction}, part={self.part}")
-        if self.values not in ("fp32", "fp16"):
-            raise ValueError(f"averaging values must be fp32 or fp16, not {self.values!r}")
+        if self.values not in VALUE_CODECS:
+            raise ValueError(f"averaging values must be one of {', '.join(VALUE_CODECS)}, "
+                             f"not {self.values!r}")
 
     @classmethod
     def from_mode(cls, n: int, mode: str, subset_fraction: float = 0.1,
@@ -78,7 +80,7 @@ class AveragingPlan:
         return cls(n, subset_fraction if subset else 1.0, values, part=part)
 
     def codec(self) -> Codec:
-        return make_codec("fp16" if self.values == "fp16" else "none")
+        return make_codec(VALUE_CODECS[self.values])
 
     @property
     def n_blocks(self) -> int:
@@ -255,7 +257,8 @@ class ParameterAverager:
         self.chunk_elems = chunk_elems  # elements per chunk message
         self.max_distance = max_distance  # refuse a peer farther than this (RMS)
         self._snap = np.zeros(plan.buffer_size, np.float32)  # own snapshot, then difference
-        self._round = np.zeros(2 * min(plan.buffer_size, BLOCK), np.uint8)  # fp16 rounding
+        self._round = np.zeros(self.codec.encoded_size(min(plan.buffer_size, BLOCK)),
+                               np.uint8)  # one sub-block encoded, to round as the peer will
         self._scratch = np.zeros(0, np.float32)  # one peer chunk, for `distance`
         self._seed: int | None = None  # the open exchange's seed
         self._part = 0  # the open part
@@ -286,12 +289,8 @@ class ParameterAverager:
         snap = self._snap[:m]
         if not all_finite(snap):
             raise ValueError("own parameters are not finite")
-        if self.plan.values == "fp16":  # round in place exactly as the peer will decode
-            for start, stop in blocks(m):
-                part, raw = snap[start:stop], self._round[: 2 * (stop - start)]
-                self.codec.encode_into(part, raw)
-                part.fill(0.0)
-                self.codec.decode_into(raw, part)
+        if self.plan.values != "fp32":  # round in place exactly as the peer will decode:
+            self._round_as_sent(snap)  # chunk by chunk, as messages() encodes
         self._seed, self._part, self._runs, self._m = seed, part, runs, m
         self._generation += 1
         return m
@@ -317,13 +316,7 @@ class ParameterAverager:
         """The RMS distance between the open snapshot and the peer's, computed as `finish`
         will, changing neither (a chunk-sized scratch buffer, kept for the next call).
         CodecError if the peer's snapshot does not match the open exchange or is malformed."""
-        if self._seed is None:
-            raise RuntimeError("no averaging exchange is open")
-        m = self._m
-        if peer.seed != self._seed or peer.length != m or peer.codec != self.codec:
-            raise CodecError(
-                f"peer snapshot (seed {peer.seed}, {peer.length} values, {peer.codec.name})"
-                f" does not match ours (seed {self._seed}, {m}, {self.codec.name})")
+        m = self._check_peer(peer)
         sq = 0.0
         for chunk in peer.chunks:
             lo, n = chunk.chunk_offset, chunk.chunk_length
@@ -332,9 +325,7 @@ class ParameterAverager:
             d = self._scratch[:n]
             np.copyto(d, self._snap[lo : lo + n])
             chunk.codec.decode_into(chunk.payload, d, -1.0, chunk.seed)  # mine - peer
-            with np.errstate(over="ignore", invalid="ignore"):
-                for start, stop in blocks(n):
-                    sq += float(np.dot(d[start:stop], d[start:stop]))
+            sq += sum_squares(d)
         return math.sqrt(sq / m) if m else 0.0
 
     def finish(self, params: np.ndarray, peer: PeerSnapshot | Iterable[Any],
@@ -352,17 +343,10 @@ class ParameterAverager:
         try:
             if not isinstance(peer, PeerSnapshot):
                 peer = read_snapshot(peer)
-            if peer.seed != self._seed or peer.length != m or peer.codec != self.codec:
-                raise CodecError(
-                    f"peer snapshot (seed {peer.seed}, {peer.length} values, {peer.codec.name})"
-                    f" does not match ours (seed {self._seed}, {m}, {self.codec.name})")
+            self._check_peer(peer)
             for chunk in peer.chunks:
                 chunk.decode_into(diff, -1.0)  # diff = mine - peer, chunk by chunk
-            sq = 0.0
-            with np.errstate(over="ignore", invalid="ignore"):
-                for start, stop in blocks(m):
-                    sq += float(np.dot(diff[start:stop], diff[start:stop]))
-            distance = math.sqrt(sq / m)
+            distance = math.sqrt(sum_squares(diff) / m)
             if not distance <= self.max_distance:
                 raise CodecError(f"peer parameters are too far: RMS distance {distance:.4g}")
         except CodecError:
@@ -395,6 +379,27 @@ class ParameterAverager:
         """Close the open exchange (if any) without applying anything."""
         self._seed, self._runs, self._m = None, None, 0
         self._generation += 1
+
+    def _check_peer(self, peer: PeerSnapshot) -> int:
+        """The open part's length; CodecError if `peer` is not a snapshot of the same part."""
+        if self._seed is None:
+            raise RuntimeError("no averaging exchange is open")
+        m = self._m
+        if peer.seed != self._seed or peer.length != m or peer.codec != self.codec:
+            raise CodecError(
+                f"peer snapshot (seed {peer.seed}, {peer.length} values, {peer.codec.name})"
+                f" does not match ours (seed {self._seed}, {m}, {self.codec.name})")
+        return m
+
+    def _round_as_sent(self, snap: np.ndarray) -> None:
+        """`snap` becomes what the peer decodes from our chunks: chunk by chunk (int8 scales
+        blocks from a chunk's start), in sub-blocks of whole codec blocks."""
+        for offset, length in chunk_bounds(snap.shape[0], self.chunk_elems):
+            for start, stop in blocks(length):
+                part, raw = snap[offset + start : offset + stop], self._round
+                self.codec.encode_into(part, raw[: self.codec.encoded_size(stop - start)])
+                part.fill(0.0)
+                self.codec.decode_into(raw[: self.codec.encoded_size(stop - start)], part)
 
     # -- gather and scatter ------------------------------------------------------------------
 

@@ -24,7 +24,10 @@ from p2ptrain.proto.gossip.guard import DistanceGuard
 # computes ~6 x ctx_len per parameter (384 at the default rwkv's 64 tokens, 100M alike);
 # rank-16 LoRA on the seed-1b base 19,470: there an exchange of every adapter in fp16 costs
 # little next to a step, and the leader's replica reached the target 1.6x sooner than with a
-# 10% subset (960 -> 600 s, medians of 3 seeds in the seed-1b-lora scenario).
+# 10% subset (960 -> 600 s, medians of 3 seeds in the seed-1b-lora scenario). The values
+# travel in int8 (a float32 scale per 256) since 2026-12-02 (§17): the same times to target
+# and final losses as fp16 in ci, seed-default, seed-100m and seed-1b-lora, 1.5-1.7x fewer
+# bytes.
 AUTO = "auto"
 AUTO_FULL_FLOPS = 2000.0
 
@@ -44,7 +47,7 @@ class GossipConfig:
     """Every knob of gradient gossip and parameter averaging."""
 
     # Defaults chosen with the simulator (docs/BENCHMARKS.md §8, scenario `defaults`): pure
-    # averaging of 10% of the coordinates in fp16 every 5 steps reached the target first on
+    # averaging of 10% of the coordinates every 5 steps (fp16 then, int8 now) reached first on
     # the seed fleet and under churn, on every seed, with the least traffic. Averaging is
     # weighted by sample rates since issue 17 (§16: the seed regime, where a Pi's step
     # takes 30x a server's, the leader's replica reaches the target twice as fast).
@@ -55,10 +58,11 @@ class GossipConfig:
     average_every: int = option(5, "local steps between parameter averagings; 0: never",
                                 minimum=0)
     averaging: str = option(AUTO, "averaging exchange: all coordinates or a seeded subset, "
-                            "in fp32 or fp16; auto: all coordinates in fp16 (`fp16`) when "
-                            f"the model computes at least {AUTO_FULL_FLOPS:,.0f} FLOPs per "
-                            "sample for each coordinate that travels (LoRA on a big frozen "
-                            "base), else `subset_fp16`", choices=(AUTO, *AVERAGING_MODES))
+                            "in fp32, fp16 or int8 (a scale per 256 values); auto: all "
+                            "coordinates in int8 (`int8`) when the model computes at least "
+                            f"{AUTO_FULL_FLOPS:,.0f} FLOPs per sample for each coordinate "
+                            "that travels (LoRA on a big frozen base), else `subset_int8`",
+                            choices=(AUTO, *AVERAGING_MODES))
     subset_fraction: float = option(0.1, "share of coordinates a subset averaging exchange "
                                     "covers", minimum=0)
     average_part: int = option(DEFAULT_PART, "coordinates per averaging message: a big "
@@ -228,7 +232,7 @@ class GossipConfig:
         node of a swarm has the same model, so every node resolves auto alike."""
         if self.averaging != AUTO:
             return self.averaging
-        return "fp16" if flops_per_coordinate >= AUTO_FULL_FLOPS else "subset_fp16"
+        return "int8" if flops_per_coordinate >= AUTO_FULL_FLOPS else "subset_int8"
 
     def averaging_plan(self, n: int, flops_per_coordinate: float) -> AveragingPlan:
         return AveragingPlan.from_mode(n, self.averaging_mode(flops_per_coordinate),
