@@ -333,3 +333,39 @@ def test_a_joiner_claims_no_leadership_while_it_fetches(monkeypatch):
             assert node.join.reason.startswith("weights from the leader's checkpoint")
             c.run_for(2.0)
             assert c.leaders() == [follower] and node.learner.step > 0
+
+
+def test_the_judged_leader_cannot_set_the_swarm_loss_its_checkpoint_is_judged_by(monkeypatch):
+    """With gradient pushes on, members report their training losses, and their median is the
+    yardstick a joiner holds the leader's checkpoint to. In a swarm of three the median of
+    two reports is the higher: a leader that reports a huge loss (say, to make its wrecked
+    checkpoint look acceptable) set it. Now its reports are left out: the yardstick is the
+    other member's loss. (With them counted, the same run fails.)"""
+    pushing = NodeConfig(gossip=GossipConfig(fanout=1, average_every=2, averaging="full"),
+                         min_peers=0, join_timeout=3.0, fetch_backoff=0.5, fetch_backoff_max=1.0,
+                         fetch_attempts=50)
+    c = TrainingCluster(3, 5, lambda i, node_id: learner(node_id), node_config=pushing,
+                        step_seconds=0.1)
+    c.run_until(8.0)
+    leader = c.leaders()[0]
+    follower, joiner = [i for i in range(3) if i != leader]
+    hostile = c.training_node(leader).trainer
+    honest_step = hostile.step
+    monkeypatch.setattr(hostile, "step", lambda now, loss, *rest: honest_step(now, 9.0, *rest))
+    c.crash(joiner)
+    c.run_for(2.0)
+    c.fetch_fails.add(joiner)  # its fetches fail until it has heard both members' losses
+    c.restart(joiner)
+    node = c.training_node(joiner)
+    heard = node.trainer.peer_progress
+    lead_id, follower_id = c.nodes[leader].info.node_id, c.nodes[follower].info.node_id
+    while heard.get(lead_id, (0, None))[1] != 9.0 or heard.get(follower_id, (0, None))[1] is None:
+        assert c.now < 30.0 and not node.join.done
+        c.run_for(0.05)
+    c.fetch_fails.clear()
+    tried = node.join.attempt
+    while node.join.state != "fetching" or node.join.attempt == tried:
+        assert c.now < 40.0 and not node.join.done
+        c.run_for(0.05)
+    assert heard[lead_id][1] == 9.0  # the leader's reports are still the highest
+    assert node.join.reference is not None and node.join.reference < 9.0, heard

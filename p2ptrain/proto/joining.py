@@ -16,12 +16,14 @@ Rules it keeps:
   above both what the swarm reported when the fetch began and our own replica's: a hostile
   or broken leader cannot hand its joiners wrecked weights, an honest checkpoint is not
   judged by how far the swarm got while a big fetch ran, and one better than our own is
-  never refused. The leader whose checkpoint was refused is named (`refused`). A node that
-  starts from fresh weights (no samples) adopts only a checkpoint clearly better than them
-  (`FRESH_MARGIN`): weights as good as random by the loss -- a degenerate replica that
-  predicts uniformly, which no step moves and no averaging reaches -- are not taken, from a
-  hostile leader that reports a high loss of its own or from an honest swarm that has not
-  learned yet (then without naming the leader).
+  never refused. What the swarm reports is the median of the losses the other members last
+  reported, the judged leader's own reports aside (node.py): a leader cannot set the
+  yardstick it is judged by. The leader whose checkpoint was refused is named (`refused`).
+  A node that starts from fresh weights (no samples) adopts only a checkpoint clearly better
+  than them (`FRESH_MARGIN`): weights as good as random by the loss -- a degenerate replica
+  that predicts uniformly, which no step moves and no averaging reaches -- are not taken,
+  from a hostile leader that reports a high loss of its own or from an honest swarm that has
+  not learned yet (then without naming the leader).
 - The fetch names the leader's address first, then every member that says it holds the same
   checkpoint (holdings.py): the driver pulls chunks from all of them at once. Which
   checkpoint: the leader's that the most members hold (`swarm_choice`), asked for by name, so

@@ -226,7 +226,7 @@ class Node:
         elif kind is Received:
             actions = self._received(now, event, msgs)
         elif kind is CheckpointFetched:
-            actions = self.join.fetched(now, event, self._swarm_loss())
+            actions = self.join.fetched(now, event, self._swarm_loss(self.join.fetching_from))
             if self.join.refused and actions:  # the leader's checkpoint was refused just now
                 self._offended(now, self.join.refused, self.join.reason, actions)
             if any(type(a) is AdoptCheckpoint for a in actions):
@@ -263,7 +263,8 @@ class Node:
         if not self.join.done and self.phase == JOINING:
             held, members = self.control.membership.holdings, self.control.members
             actions += self.join.advance(
-                now, self.node_id, self.control.leader, self.sources_of, self._swarm_loss(),
+                now, self.node_id, self.control.leader, self.sources_of,
+                self._swarm_loss(self.control.leader),
                 lambda lead: preferred(lead, self._addr_of, held, members()), held.listings)
         self.control.hold_claims(not self.join.done and self.join.attempt > 0)
         for action in list(actions):
@@ -287,9 +288,8 @@ class Node:
         self.trainer.close()
         self.learner.count.merge(self.control.admit_samples(dict(counts)))
 
-    def _swarm_loss(self) -> float | None:
-        """The median training loss the other members last reported (None if none did)."""
-        return median_loss(loss for _, loss in self.trainer.peer_progress.values())
+    def _swarm_loss(self, judged: str | None) -> float | None:  # not the judged leader's
+        return median_loss(p[1] for peer, p in self.trainer.peer_progress.items() if peer != judged)
 
     def sources_of(self, leader: str, digest: str | None = None) -> tuple[str, ...]:
         """Where to fetch `leader`'s checkpoint (joining.sources), fastest measured first."""
