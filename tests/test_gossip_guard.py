@@ -38,7 +38,7 @@ def _snapshot(c: TrainingCluster, i: int, values: np.ndarray, seed: int, part: i
 
 @pytest.mark.parametrize(("averaging", "value"), [("subset_fp16", FP16_MAX),
                                                   ("subset_int8", 3e38)])  # int8: any float
-def test_an_averaging_request_of_all_65504_is_refused_and_changes_nothing(averaging, value):
+def test_an_averaging_request_of_huge_values_is_refused_and_changes_nothing(averaging, value):
     c = _cluster(averaging=averaging)
     c.run_until(6.0)
     node = c.training_node(0)
