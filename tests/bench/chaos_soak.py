@@ -60,7 +60,7 @@ from p2ptrain import checkpoint
 from p2ptrain.config import resolve, settings_of
 from p2ptrain.data import load_corpus
 from p2ptrain.learner import Learner
-from p2ptrain.models import build_model
+from p2ptrain.startup import model_for
 from tests.helpers import REPO
 from tests.swarmlab import SMALL_SWARM_TOML, Proc, SwarmLab, free_ports, get_json
 
@@ -457,9 +457,9 @@ def _scorer(config: str) -> Learner:
     """A learner of the soak's configuration whose weights are replaced before each score."""
     if config not in _SCORERS:
         settings = settings_of(resolve(config, {}, {}))
-        model = build_model(settings.model_name, settings.model)
         corpus = load_corpus(settings.data.path, settings.data.holdout_fraction,
-                             model.ctx_len + 2)
+                             settings.model.ctx_len + 2)
+        model, _ = model_for(settings, corpus)  # as `join` builds it (LoRA: on its base)
         _SCORERS[config] = Learner(model, "0" * 32, settings.train, corpus,
                                    settings.train.batch or 8, 1, settings.eval.windows)
     return _SCORERS[config]

@@ -2,16 +2,18 @@
 run (issue 17: "bytes per trained sample against dense fp32 gradient exchange and final loss
 against the best configuration").
 
-    python -m tests.bench.realgossip [--configs A,B,B3,B3o,I,C,D,D16,E,F,S] [--seeds 2]
+    python -m tests.bench.realgossip [--configs A,B,B3,B3o,I,F16,F8,C,D,D16,E,F,S] [--seeds 2]
                                      [--first-seed 0] [--total-samples 200000] [--timeout 900]
-                                     [--json OUT] [--keep DIR]
+                                     [--json OUT] [--keep DIR] [--lora RANK]
     python -m tests.bench.realgossip --table OUT [OUT ...]   # the table of saved runs
 
 Each run: three `p2ptrain join` processes on loopback (tests/swarmlab.py: a fresh swarm key,
 its own state directories, mDNS off), the same rwkv 2 x 64 on the built-in corpus, the same
 `train.seed`, batches 4, 6 and 8 (unequal speeds: the step time is mostly fixed overhead at
 this size, so the batch-8 node trains more samples per second than the batch-4 one; 1.2-1.5x
-on the loaded 2-core machine of docs/BENCHMARKS.md section 17).
+on the loaded 2-core machine of docs/BENCHMARKS.md section 17). With `--lora RANK` the nodes
+train adapters of that rank on one frozen base of the same shape (fresh weights, written once
+per invocation; the held-out scores load each checkpoint's adapters on it) instead.
 Training starts once a node sees both peers. The run ends by itself: a node stops when the
 swarm's sample count it knows reaches `train.total_samples` (and writes a final checkpoint),
 so every configuration trains the same swarm budget whatever the machine's load; compare
@@ -52,6 +54,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from p2ptrain.lora.basefile import base_from_init
+from p2ptrain.models.rwkv import RWKVConfig
 from tests.bench.chaos_soak import score_node
 from tests.swarmlab import Proc, SwarmLab, free_ports, wait_for
 
@@ -76,6 +80,9 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {  # None: one node alone
     # the default since 2026-12-02, late
     "I": ("B3 with the values in int8, a scale per 256 (subset_int8)",
           {"average_pull_max": 0.99, "average_pull_power": 3.0, "averaging": "subset_int8"}),
+    # every coordinate, as auto averages in LoRA mode on a big base (run with --lora)
+    "F16": ("every coordinate in fp16 (LoRA mode's default until int8)", {"averaging": "fp16"}),
+    "F8": ("every coordinate in int8 (LoRA mode's default)", {"averaging": "int8"}),
     "C": ("rate-weighted averaging every step", {"average_pull_max": 0.9, "average_every": 1,
                                                  "average_pull_power": 1.0,
                                                  "averaging": "subset_fp16"}),
@@ -94,11 +101,16 @@ CONFIGS: dict[str, tuple[str, dict | None]] = {  # None: one node alone
 SOLO_BATCH = 6  # the swarm's mean batch
 
 
-def swarm_toml(gossip: dict, seed: int, total: int) -> str:
+def swarm_toml(gossip: dict, seed: int, total: int, lora: tuple[int, str] | None = None
+               ) -> str:
+    """The swarm's config; `lora` (rank, base directory): LoRA mode on that base."""
     lines = ["[model]", 'name = "rwkv"', "[model.rwkv]"]
     lines += [f"{k} = {v}" for k, v in MODEL.items()]
     lines += ["[train]", f"seed = {seed}", f"total_samples = {total}",
-              f"warmup_samples = {total // 20}", "[eval]", f"windows = {HELDOUT_WINDOWS}",
+              f"warmup_samples = {total // 20}"]
+    if lora is not None:
+        lines += ['mode = "lora"', "[lora]", f"rank = {lora[0]}", f"base = {json.dumps(lora[1])}"]
+    lines += ["[eval]", f"windows = {HELDOUT_WINDOWS}",
               "every_seconds = 0", "[net]", 'timing = "local"', "[checkpoint]",
               "every_seconds = 0", "[gossip]"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in gossip.items()]
@@ -129,10 +141,11 @@ def run_alone(seed: int, total: int, timeout: float, tmp: Path) -> dict:
             "leaders_seen": ["solo"]}
 
 
-def run_one(gossip: dict, seed: int, total: int, timeout: float, tmp: Path) -> dict:
+def run_one(gossip: dict, seed: int, total: int, timeout: float, tmp: Path,
+            lora: tuple[int, str] | None = None) -> dict:
     """One 3-node run to `total` swarm samples; its figures."""
     started = time.monotonic()
-    with SwarmLab(tmp, swarm_toml(gossip, seed, total), name="realgossip") as lab:
+    with SwarmLab(tmp, swarm_toml(gossip, seed, total, lora), name="realgossip") as lab:
         ports = free_ports(len(BATCHES))
         addrs = [f"127.0.0.1:{p}" for p in ports]
         env = lab.env(P2PTRAIN_NODE_MIN_PEERS=str(len(BATCHES) - 1),
@@ -263,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="s per run, at most")
     ap.add_argument("--json", type=Path, help="write every figure here")
     ap.add_argument("--keep", type=Path, help="keep each run's logs and checkpoints here")
+    ap.add_argument("--lora", type=int, metavar="RANK", help="train adapters of this rank on "
+                    "a base of the same shape (fresh weights, written once) instead")
     ap.add_argument("--table", type=Path, nargs="+", metavar="JSON",
                     help="print the table of runs saved with --json (merged), run nothing")
     args = ap.parse_args(argv)
@@ -279,6 +294,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown configurations {unknown} (known: {', '.join(CONFIGS)})")
     results: dict[str, list[dict]] = {n: [] for n in names}
+    outer = contextlib.ExitStack()
+    lora = None
+    if args.lora:
+        if "S" in names:
+            ap.error("--lora: the serial reference (S) trains in full; leave it out")
+        root = Path(outer.enter_context(tempfile.TemporaryDirectory(prefix="rg-base-")))
+        base = base_from_init(RWKVConfig(**MODEL), 7, root)
+        lora = (args.lora, str(base.path))
+    with outer:
+        run_all(args, names, results, lora)
+    print()
+    print(table(results), flush=True)
+    return 0
+
+
+def run_all(args: argparse.Namespace, names: list[str], results: dict[str, list[dict]],
+            lora: tuple[int, str] | None) -> None:
+    """Every configuration at every seed, each run's line printed as it ends."""
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for name in names:
             with open("/proc/loadavg") as f:
@@ -292,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                     gossip = CONFIGS[name][1]
                     run = (run_alone(seed, args.total_samples, args.timeout, tmp)
                            if gossip is None else
-                           run_one(gossip, seed, args.total_samples, args.timeout, tmp))
+                           run_one(gossip, seed, args.total_samples, args.timeout, tmp,
+                                   lora))
                 except AssertionError as exc:  # a run that does not end: said, not fatal
                     results[name].append({"seed": seed, "load": load, "error": str(exc)})
                     print(f"{name} seed {seed}: FAILED: {exc}", flush=True)
@@ -307,9 +341,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{f['leader_loss']}, mean {f['mean_loss']}; {'; '.join(odd)}", flush=True)
             if args.json:
                 args.json.write_text(json.dumps(results, indent=1, default=str))
-    print()
-    print(table(results), flush=True)
-    return 0
 
 
 if __name__ == "__main__":
