@@ -294,15 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown configurations {unknown} (known: {', '.join(CONFIGS)})")
     results: dict[str, list[dict]] = {n: [] for n in names}
-    outer = contextlib.ExitStack()
-    lora = None
-    if args.lora:
-        if "S" in names:
-            ap.error("--lora: the serial reference (S) trains in full; leave it out")
-        root = Path(outer.enter_context(tempfile.TemporaryDirectory(prefix="rg-base-")))
-        base = base_from_init(RWKVConfig(**MODEL), 7, root)
-        lora = (args.lora, str(base.path))
-    with outer:
+    if args.lora and "S" in names:
+        ap.error("--lora: the serial reference (S) trains in full; leave it out")
+    with contextlib.ExitStack() as outer:
+        lora = None
+        if args.lora:  # one base for every run, removed at the end
+            root = Path(outer.enter_context(tempfile.TemporaryDirectory(prefix="rg-base-")))
+            lora = (args.lora, str(base_from_init(RWKVConfig(**MODEL), 7, root).path))
         run_all(args, names, results, lora)
     print()
     print(table(results), flush=True)

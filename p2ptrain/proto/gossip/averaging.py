@@ -392,14 +392,14 @@ class ParameterAverager:
         return m
 
     def _round_as_sent(self, snap: np.ndarray) -> None:
-        """`snap` becomes what the peer decodes from our chunks: chunk by chunk (int8 scales
-        blocks from a chunk's start), in sub-blocks of whole codec blocks."""
+        """`snap` becomes what the peer decodes: chunk by chunk, as int8 scales from each."""
         for offset, length in chunk_bounds(snap.shape[0], self.chunk_elems):
             for start, stop in blocks(length):
-                part, raw = snap[offset + start : offset + stop], self._round
-                self.codec.encode_into(part, raw[: self.codec.encoded_size(stop - start)])
+                part = snap[offset + start : offset + stop]
+                raw = self._round[: self.codec.encoded_size(stop - start)]
+                self.codec.encode_into(part, raw)
                 part.fill(0.0)
-                self.codec.decode_into(raw[: self.codec.encoded_size(stop - start)], part)
+                self.codec.decode_into(raw, part)
 
     # -- gather and scatter ------------------------------------------------------------------
 
