@@ -152,6 +152,9 @@ def averaging_text(settings: Settings, model: Model) -> str:
     plan = gossip.averaging_plan(n, per)
     covers = ("every coordinate" if plan.fraction >= 1.0
               else f"a seeded {plan.fraction:.0%} of the coordinates")
+    if plan.slow_fraction is not None:
+        covers += (f" between two of the swarm's fastest members, {plan.slow_fraction:.1%} "
+                   "otherwise")
     why = (f" (auto: {per:,.0f} FLOPs per sample and travelling coordinate, "
            f"{'at least' if plan.fraction >= 1.0 else 'under'} {AUTO_FULL_FLOPS:,.0f})"
            if gossip.averaging == AUTO else "")

@@ -7,14 +7,9 @@ import numpy as np
 import pytest
 
 from p2ptrain.codecs import HEADER_SIZE, CodecError
-from p2ptrain.proto.gossip.averaging import (
-    AVERAGING_MODES,
-    AveragingPlan,
-    ParameterAverager,
-    pull_share,
-    read_snapshot,
-)
+from p2ptrain.proto.gossip.averaging import ParameterAverager, pull_share, read_snapshot
 from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.plan import AVERAGING_MODES, FAST_PAIR, AveragingPlan
 from tests.test_gossip_mixer import reseal
 
 N = 5003  # not a multiple of the subset block: the partial last run is exercised
@@ -308,3 +303,35 @@ def test_rate_weighted_pull_moves_the_slow_replica_and_keeps_the_weighted_mean()
     with pytest.raises(ValueError):  # a pull outside (0, 1) is a local error
         av_a.finish(slow, list(av_b.respond(fast, list(av_a.messages(A_ID, 1)), B_ID, 1)[1]),
                     pull=1.0)
+
+
+def test_a_plan_with_a_slow_share_reads_it_from_the_seed_and_both_sides_agree():
+    """`slow_fraction`: an exchange whose seed has the FAST_PAIR bit covers `fraction`, any
+    other `slow_fraction`; the responder derives the share from the seed alone, and either
+    exchange keeps the pair's sum as any subset does."""
+    plan = AveragingPlan(N, fraction=0.3, slow_fraction=0.05, block=256)
+    wide, narrow = 42 | FAST_PAIR, 42 & ~FAST_PAIR
+    assert plan.k_for(wide) == plan.k_blocks == 6 and plan.k_for(narrow) == 1
+    assert plan.covered(narrow) <= 256 < plan.covered(wide)
+    assert plan.capacity == 6 * 256 and not plan.covers_all
+    plain = AveragingPlan(N, fraction=0.3, block=256)
+    assert plain.k_for(narrow) == plain.k_for(wide) == 6  # no slow share: the seed is moot
+    for seed in (wide, narrow):
+        av_a, av_b = ParameterAverager(plan), ParameterAverager(plan)
+        xa, xb = params(11), params(12)
+        total = xa.astype(np.float64) + xb
+        report_a, report_b = exchange(av_a, av_b, xa, xb, seed)
+        assert report_a.covered == report_b.covered == plan.covered(seed)
+        assert int((xa != params(11)).sum()) == plan.covered(seed)
+        np.testing.assert_allclose(xa.astype(np.float64) + xb, total, atol=1e-5)
+    everything = AveragingPlan(N, fraction=1.0, slow_fraction=0.1)
+    assert everything.subset(FAST_PAIR) is None and everything.subset(2) is not None
+    assert everything.capacity == N and not everything.covers_all
+    assert AveragingPlan.from_mode(N, "int8", 0.3, slow_fraction=0.01).slow_fraction is None
+    assert AveragingPlan.from_mode(N, "subset_int8", 0.3,
+                                   slow_fraction=0.01).slow_fraction == 0.01
+    for bad in (0.0, 0.31):
+        with pytest.raises(ValueError, match="slow_fraction"):
+            AveragingPlan(N, fraction=0.3, slow_fraction=bad)
+    with pytest.raises(ValueError, match="subset_fraction_slow"):
+        GossipConfig(subset_fraction=0.1, subset_fraction_slow=0.2)

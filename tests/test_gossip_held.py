@@ -11,10 +11,11 @@ import pytest
 
 from p2ptrain.proto.errors import LocalProtocolError
 from p2ptrain.proto.events import Reading, Send, StepDone
-from p2ptrain.proto.gossip.averaging import AveragingPlan, HeldDeltas, ParameterAverager
+from p2ptrain.proto.gossip.averaging import HeldDeltas, ParameterAverager
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.exchange import HELD_FLOOR, held_capacity
 from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
+from p2ptrain.proto.gossip.plan import AveragingPlan
 from tests.test_node import MODEL, cluster, envelope_from
 
 

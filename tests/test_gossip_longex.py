@@ -418,3 +418,7 @@ def test_the_start_log_says_what_auto_averaging_resolved_to():
     fixed = settings_of(resolve(None, {}, {"gossip.averaging": "full"}))
     assert averaging_text(fixed, heavy).endswith("every coordinate in fp32 with one peer every "
                                                  "5 steps")
+    tiered = settings_of(resolve(None, {}, {"gossip.subset_fraction": 0.3,
+                                            "gossip.subset_fraction_slow": 0.001}))
+    assert ("a seeded 30% of the coordinates between two of the swarm's fastest members, 0.1% "
+            "otherwise in int8") in averaging_text(tiered, model)

@@ -46,8 +46,8 @@ from p2ptrain.codecs import total_encoded_size
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
 from p2ptrain.net.sent import SentByKind
 from p2ptrain.proto import GossipConfig, wire
-from p2ptrain.proto.gossip.averaging import SUBSET_BLOCK
 from p2ptrain.proto.gossip.config import flops_per_coordinate
+from p2ptrain.proto.gossip.plan import SUBSET_BLOCK
 from sims.fleet import Training, World
 from sims.gossip import GossipSim
 from sims.scenario import parse

@@ -43,7 +43,7 @@ from p2ptrain.proto.events import (
     StepDone,
     Tick,
 )
-from p2ptrain.proto.gossip.averaging import AveragingPlan, consensus_distance
+from p2ptrain.proto.gossip.averaging import consensus_distance
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.messages import (
     GOSSIP_BODIES,
@@ -54,6 +54,7 @@ from p2ptrain.proto.gossip.messages import (
 )
 from p2ptrain.proto.gossip.mixer import PlainEncoder
 from p2ptrain.proto.gossip.peers import PeerTable
+from p2ptrain.proto.gossip.plan import AveragingPlan
 from p2ptrain.proto.messages import BODY_TYPES, PROTOCOL_VERSION, Body, Envelope, Header, register
 from p2ptrain.proto.node import Node, NodeConfig
 from p2ptrain.proto.records import (

@@ -16,8 +16,8 @@ from typing import Any
 
 from p2ptrain.codecs import Codec, make_codec
 from p2ptrain.options import option
-from p2ptrain.proto.gossip.averaging import AVERAGING_MODES, DEFAULT_PART, AveragingPlan
 from p2ptrain.proto.gossip.guard import DistanceGuard
+from p2ptrain.proto.gossip.plan import AVERAGING_MODES, DEFAULT_PART, AveragingPlan
 
 # `averaging = "auto"` (issue 17, BENCHMARKS §16): a model that computes this many FLOPs per
 # sample for every coordinate of the vector that travels averages all of it. Full training
@@ -65,6 +65,11 @@ class GossipConfig:
                             choices=(AUTO, *AVERAGING_MODES))
     subset_fraction: float = option(0.1, "share of coordinates a subset averaging exchange "
                                     "covers", minimum=0)
+    subset_fraction_slow: float = option(
+        0.0, "share a subset averaging exchange covers unless both sides are among the "
+        "swarm's fastest (a sample rate at least half the fastest observed): the fastest keep "
+        "their replicas close, the rest follow them for fewer bytes; 0: subset_fraction for "
+        "every exchange", minimum=0)
     average_part: int = option(DEFAULT_PART, "coordinates per averaging message: a big "
                                "model's exchange travels as parts of this size", minimum=1024)
     average_pull_max: float = option(
@@ -192,6 +197,8 @@ class GossipConfig:
             "average_every": self.average_every >= 0,
             "averaging": self.averaging == AUTO or self.averaging in AVERAGING_MODES,
             "subset_fraction": 0.0 < self.subset_fraction <= 1.0,
+            "subset_fraction_slow (at most subset_fraction)":
+                0.0 <= self.subset_fraction_slow <= self.subset_fraction,
             "average_part": self.average_part >= 1,
             "average_pull_max": 0.5 <= self.average_pull_max < 1,
             "average_pull_power": 1 <= self.average_pull_power <= 16,
@@ -236,4 +243,5 @@ class GossipConfig:
 
     def averaging_plan(self, n: int, flops_per_coordinate: float) -> AveragingPlan:
         return AveragingPlan.from_mode(n, self.averaging_mode(flops_per_coordinate),
-                                       self.subset_fraction, self.average_part)
+                                       self.subset_fraction, self.average_part,
+                                       self.subset_fraction_slow or None)

@@ -201,6 +201,17 @@ def give_up_seconds(stats: Mapping[str, PeerStats], peer: str, message_bytes: in
     return max(floor, min(ceiling, margin * expected))
 
 
+def fast_pair(mine: float | None, theirs: float | None, others: Iterable[float | None],
+              share: float = 0.5) -> bool:
+    """Whether two members are both among the swarm's fastest: each one's observed sample
+    rate (`mine`, `theirs`; None: not yet observed) is at least `share` of the fastest
+    observed among them and `others`."""
+    if not mine or not theirs or not (mine > 0 and theirs > 0):
+        return False
+    top = max([mine, theirs, *(r for r in others if r)])
+    return min(mine, theirs) >= share * top
+
+
 def upper_quartile(values: Sequence[float]) -> float:
     """The 75th percentile of `values` (the lower of the two ranks around it, so never the
     largest of two or more values): what a peer's rate counts at most `RATE_BIAS_CAP` times

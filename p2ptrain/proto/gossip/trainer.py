@@ -67,7 +67,8 @@ from p2ptrain.proto.gossip.messages import (
 )
 from p2ptrain.proto.gossip.mixer import GradientMixer, MixReport, gradient_encoder
 from p2ptrain.proto.gossip.outer import OuterOptimizer
-from p2ptrain.proto.gossip.peers import PeerTable
+from p2ptrain.proto.gossip.peers import PeerTable, fast_pair
+from p2ptrain.proto.gossip.plan import FAST_PAIR
 from p2ptrain.proto.messages import Body, Out
 
 if TYPE_CHECKING:
@@ -347,6 +348,10 @@ class GossipTrainer:
             self.stats["average_waited"] += 1
             return
         seed = int(self.rng.integers(0, MAX_SEED))
+        if self.plan.slow_fraction is not None:  # the seed says which share it covers
+            fast = rate_of is not None and fast_pair(rate_of(self.node_id), rate_of(peer),
+                                                     map(rate_of, addrs))
+            seed = seed | FAST_PAIR if fast else seed & ~FAST_PAIR
         self._send_part(now, peer, addrs[peer], seed, 0, self.plan.parts(seed), now, out)
         self.stats["average_started"] += 1
 
