@@ -9,11 +9,12 @@ Each configuration is the scenario's gossip method named "gossip, the default" w
 given [gossip] keys replaced (`--config tiered:averaging=subset_int8,subset_fraction=0.09,
 subset_fraction_slow=0.001`; the bare name `default` changes nothing), run the scenario's
 whole `--duration` (no stop at the target) on each seed. Per run it prints: the
-deliverable's held-out loss at the end (the leader's replica), the time it first reached the
-scenario's target, bytes per trained sample (every envelope every node sent, the control
-plane included) and dense fp32 over it (4 bytes x travelling parameters x steps / samples:
-one fp32 gradient sent per step); then per configuration the mean final loss over the seeds
-and how far it is from the first configuration's mean. Nothing is written.
+deliverable's held-out loss at the end (the leader's replica; the mean replica's beside it),
+the time it first reached the scenario's target, bytes per trained sample (every envelope
+every node sent, the control plane included) and dense fp32 over it (4 bytes x travelling
+parameters x steps / samples: one fp32 gradient sent per step); then per configuration the
+mean final loss over the seeds and how far it is from the first configuration's mean.
+Nothing is written.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Row:
     config: str
     seed: int
     final: float  # the deliverable's held-out loss at the end
+    mean_final: float  # the mean replica's
     reached: float | None  # simulated seconds to the target; None: not reached
     bytes_per_sample: float
     dense_ratio: float  # dense fp32 bytes per sample over bytes_per_sample
@@ -84,8 +86,8 @@ def row_of(name: str, seed: int, result: dict[str, Any], travelling: int) -> Row
         raise ValueError(f"configuration {name} (seed {seed}) trained nothing")
     per_sample = sum(result["bytes_by_kind"].values()) / samples
     dense = 4 * travelling * steps / samples
-    return Row(name, seed, result["final_deliverable_loss"], result["time_to_target"],
-               per_sample, dense / per_sample, steps, samples)
+    return Row(name, seed, result["final_deliverable_loss"], result["final_loss"],
+               result["time_to_target"], per_sample, dense / per_sample, steps, samples)
 
 
 def summary(rows: list[Row]) -> list[str]:
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
             row = run_config(scenario, name, knobs, seed)
             rows.append(row)
             reached = "not reached" if row.reached is None else f"{row.reached:g} s"
-            print(f"{args.scenario} seed {seed} {name}: final {row.final:.4f}, target "
+            print(f"{args.scenario} seed {seed} {name}: final {row.final:.4f} (mean replica "
+                  f"{row.mean_final:.3f}), target "
                   f"{reached}, {row.bytes_per_sample:,.0f} B a sample, dense fp32 "
                   f"{row.dense_ratio:.1f}x ({time.perf_counter() - t0:.0f} s)", flush=True)
     for line in summary(rows):
