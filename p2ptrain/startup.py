@@ -155,6 +155,8 @@ def averaging_text(settings: Settings, model: Model) -> str:
     if plan.slow_fraction is not None:
         covers += (f" between two of the swarm's fastest members, {plan.slow_fraction:.1%} "
                    "otherwise")
+    elif gossip.subset_fraction_slow:
+        covers += " (gossip.subset_fraction_slow is for the subset modes: unused)"
     why = (f" (auto: {per:,.0f} FLOPs per sample and travelling coordinate, "
            f"{'at least' if plan.fraction >= 1.0 else 'under'} {AUTO_FULL_FLOPS:,.0f})"
            if gossip.averaging == AUTO else "")

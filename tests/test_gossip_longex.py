@@ -422,3 +422,5 @@ def test_the_start_log_says_what_auto_averaging_resolved_to():
                                             "gossip.subset_fraction_slow": 0.001}))
     assert ("a seeded 30% of the coordinates between two of the swarm's fastest members, 0.1% "
             "otherwise in int8") in averaging_text(tiered, model)
+    assert "subset_fraction_slow is for the subset modes: unused" in averaging_text(
+        tiered, heavy)  # auto resolves to every coordinate there

@@ -22,6 +22,7 @@ def test_fast_pair_needs_both_rates_at_half_the_fastest_observed():
     assert fast_pair(3.0, 3.0, [5.9]) and not fast_pair(3.0, 3.0, [6.1])
     assert not fast_pair(None, 5.0, []) and not fast_pair(5.0, 0.0, [])
     assert not fast_pair(float("nan"), 5.0, [])
+    assert fast_pair(6.0, 5.0, [float("nan"), -1.0, 0.0])  # nonsense rates are not the top
 
 
 def test_two_fast_members_average_the_wide_share_and_a_slow_partner_the_narrow_one():

@@ -206,9 +206,9 @@ def fast_pair(mine: float | None, theirs: float | None, others: Iterable[float |
     """Whether two members are both among the swarm's fastest: each one's observed sample
     rate (`mine`, `theirs`; None: not yet observed) is at least `share` of the fastest
     observed among them and `others`."""
-    if not mine or not theirs or not (mine > 0 and theirs > 0):
+    if mine is None or theirs is None or not (mine > 0 and theirs > 0):
         return False
-    top = max([mine, theirs, *(r for r in others if r)])
+    top = max([mine, theirs, *(r for r in others if r is not None and r > 0)])
     return min(mine, theirs) >= share * top
 
 
