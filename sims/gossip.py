@@ -72,6 +72,7 @@ from sims.scenario import Method
 CHECKPOINT_OVERHEAD = 4096  # bytes of manifest and headers around a checkpoint's weights
 RETRANSMIT_SECONDS = 0.2  # TCP's retransmission timeout (Linux's minimum RTO)
 MAX_WAKES_AT_ONCE = 1000  # a node woken this often at one virtual time is spinning
+SHARE_TOLERANCE = 0.1  # how far (relative) a proxy's subset share may be from the method's
 
 
 def split_params(params: dict, flops_per_coordinate: float) -> tuple[GossipConfig, NodeConfig]:
@@ -95,6 +96,25 @@ def split_params(params: dict, flops_per_coordinate: float) -> tuple[GossipConfi
     node_knobs = {"min_peers": 0, **{k: v for k, v in params.items() if k in node_fields}}
     node = NodeConfig(gossip=gossip, **node_knobs)
     return gossip, node
+
+
+def check_shares(gossip: GossipConfig, proxy_params: int) -> None:
+    """Refuse a subset share the proxy cannot stand for: an exchange covers whole runs of the
+    plan's block, at least one, so on a proxy of few runs a small share (0.1% of a 30k proxy's
+    118 runs of 256) would be averaged -- and charged, scaled -- as one run (0.85%), not as
+    the share the method names."""
+    plan = gossip.averaging_plan(proxy_params, 0.0)  # the mode is resolved already
+    shares = [("subset_fraction", plan.fraction, plan.k_blocks)]
+    if plan.slow_fraction is not None:
+        shares.append(("subset_fraction_slow", plan.slow_fraction, plan.k_for(0)))
+    for name, share, runs in shares:
+        covered = runs / plan.n_blocks
+        if share < 1.0 and abs(covered - share) > SHARE_TOLERANCE * share:
+            raise ValueError(
+                f"gossip method: {name} = {share:g} cannot be simulated on the "
+                f"{proxy_params:,}-parameter proxy: its {plan.n_blocks} runs of {plan.block} "
+                f"cover {covered:.3%} (shares it can stand for are multiples of "
+                f"1/{plan.n_blocks} = {1 / plan.n_blocks:.4%})")
 
 
 @dataclass(eq=False)
@@ -132,8 +152,10 @@ class GossipSim:
         self.method = method
         self.proto = proto_config(world.scenario)
         charged = world.charged
-        _, self.node_config = split_params(method.params,
-                                           charged.flops_per_sample / charged.params)
+        gossip, self.node_config = split_params(method.params,
+                                                charged.flops_per_sample / charged.params)
+        if world.training is not None:
+            check_shares(gossip, world.training.size.params)
         self.recorder = Recorder(method.name, method.kind, method.params,
                                  world.scenario.target_loss)
         self.machines = [Machine(m) for m in world.members]

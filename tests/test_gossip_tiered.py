@@ -25,6 +25,14 @@ def test_fast_pair_needs_both_rates_at_half_the_fastest_observed():
     assert fast_pair(6.0, 5.0, [float("nan"), -1.0, 0.0])  # nonsense rates are not the top
 
 
+def test_one_inflated_rate_cannot_make_every_pair_of_a_fleet_slow():
+    slow = [1.0] * 10  # A (6) and B (5) among ten slow members
+    assert fast_pair(6.0, 5.0, slow) and not fast_pair(1.0, 1.0, [6.0, 5.0, *slow[2:]])
+    liar = [*slow, 1e12]  # counted at 4x the fleet's upper quartile, not at its claim
+    assert fast_pair(6.0, 5.0, liar) and not fast_pair(1.0, 6.0, [5.0, *slow[1:], 1e12])
+    assert not fast_pair(6.0, 5.0, [1.0, 1.0, 1e12])  # a handful: the quartile is near the top
+
+
 def test_two_fast_members_average_the_wide_share_and_a_slow_partner_the_narrow_one():
     a, b = trainer(A, **TIERED), trainer(B, **TIERED)
     a.rate_of = b.rate_of = RATES.get

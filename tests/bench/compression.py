@@ -6,8 +6,8 @@ seed-regime scenario.
                                       [--duration 1200] [--config NAME:KEY=VALUE,...]...
 
 Each configuration is the scenario's gossip method named "gossip, the default" with the
-given [gossip] keys replaced (`--config tiered:averaging=subset_int8,subset_fraction=0.09,
-subset_fraction_slow=0.001`; the bare name `default` changes nothing), run the scenario's
+given [gossip] keys replaced (`--config tiered:averaging=subset_int8,subset_fraction=0.093,
+subset_fraction_slow=0.0085`; the bare name `default` changes nothing), run the scenario's
 whole `--duration` (no stop at the target) on each seed. Per run it prints: the
 deliverable's held-out loss at the end (the leader's replica; the mean replica's beside it),
 the time it first reached the scenario's target, bytes per trained sample (every envelope
@@ -26,12 +26,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from sims.fleet import Training, charged_size
+from sims.gossip import check_shares, split_params
 from sims.run import fleet_summary, run_method
 from sims.scenario import Method, Scenario, load
 
 DEFAULT_METHOD = "gossip, the default"
 DEFAULT_CONFIGS = ("default",
-                   "tiered:averaging=subset_int8,subset_fraction=0.09,subset_fraction_slow=0.001")
+                   "tiered:averaging=subset_int8,subset_fraction=0.093,subset_fraction_slow=0.0085")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +69,32 @@ def parse_config(text: str) -> tuple[str, dict[str, Any]]:
     return name, knobs
 
 
-def run_config(scenario: Scenario, name: str, knobs: dict[str, Any], seed: int) -> Row:
-    """The scenario's default gossip method with `knobs`, run its whole duration on `seed`."""
+def method_for(scenario: Scenario, name: str, knobs: dict[str, Any]) -> Method:
+    """The scenario's default gossip method with `knobs`."""
     base = next((m for m in scenario.methods if m.name == DEFAULT_METHOD), None)
     if base is None:
         raise ValueError(f"scenario {scenario.name} has no method {DEFAULT_METHOD!r}")
+    return Method(name, "gossip", {**base.params, **knobs})
+
+
+def check_configs(scenario: Scenario, configs: list[tuple[str, dict[str, Any]]]) -> None:
+    """Refuse, before anything runs, a configuration the scenario's proxy cannot stand for
+    (unknown keys, a subset share it cannot cover)."""
+    training = Training(scenario)
+    charged = charged_size(scenario, training.size)
+    for name, knobs in configs:
+        params = {k: v for k, v in method_for(scenario, name, knobs).params.items() if k != "lr"}
+        try:
+            gossip, _ = split_params(params, charged.flops_per_sample / charged.params)
+            check_shares(gossip, training.size.params)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"configuration {name}: {e}") from e
+
+
+def run_config(scenario: Scenario, name: str, knobs: dict[str, Any], seed: int) -> Row:
+    """The scenario's default gossip method with `knobs`, run its whole duration on `seed`."""
     result = run_method(scenario.replace(stop_at_target=False),
-                        Method(name, "gossip", {**base.params, **knobs}), seed)
+                        method_for(scenario, name, knobs), seed)
     travelling = fleet_summary(scenario, seed)["charged_model"]["params"]
     return row_of(name, seed, result, travelling)
 
@@ -125,6 +146,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if not seeds or not args.duration > 0:
         parser.error("give at least one seed and a duration > 0")
     scenario = load(args.scenario).replace(duration=args.duration)
+    try:
+        check_configs(scenario, configs)
+    except ValueError as e:
+        parser.error(str(e))
     rows = []
     for name, knobs in configs:
         for seed in seeds:

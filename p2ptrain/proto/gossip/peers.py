@@ -205,10 +205,13 @@ def fast_pair(mine: float | None, theirs: float | None, others: Iterable[float |
               share: float = 0.5) -> bool:
     """Whether two members are both among the swarm's fastest: each one's observed sample
     rate (`mine`, `theirs`; None: not yet observed) is at least `share` of the fastest
-    observed among them and `others`."""
+    observed among them and `others` -- the fastest counted at most `RATE_BIAS_CAP` x the
+    rates' upper quartile, as in a draw, so one inflated count cannot make every pair of a
+    fleet slow (in a swarm of a handful the quartile is near the top and it still can)."""
     if mine is None or theirs is None or not (mine > 0 and theirs > 0):
         return False
-    top = max([mine, theirs, *(r for r in others if r is not None and r > 0)])
+    known = [mine, theirs, *(r for r in others if r is not None and r > 0)]
+    top = min(max(known), RATE_BIAS_CAP * upper_quartile(known))
     return min(mine, theirs) >= share * top
 
 

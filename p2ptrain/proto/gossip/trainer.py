@@ -349,8 +349,8 @@ class GossipTrainer:
             return
         seed = int(self.rng.integers(0, MAX_SEED))
         if self.plan.slow_fraction is not None:  # the seed says which share it covers
-            fast = rate_of is not None and fast_pair(rate_of(self.node_id), rate_of(peer),
-                                                     map(rate_of, addrs))
+            fast = rate_of is not None and fast_pair(
+                rate_of(self.node_id), rate_of(peer), (rate_of(p) for p in addrs if p != peer))
             seed = seed | FAST_PAIR if fast else seed & ~FAST_PAIR
         self._send_part(now, peer, addrs[peer], seed, 0, self.plan.parts(seed), now, out)
         self.stats["average_started"] += 1
