@@ -247,6 +247,9 @@ def resolve(config_file: str | None, env: Mapping[str, str], flags: Mapping[str,
         sources[key] = f"flag {option.flag}"
     if not 0.0 < values["data.holdout_fraction"] < 1.0:
         raise ConfigError("data.holdout_fraction must lie strictly between 0 and 1")
+    if not values["train.ema"] < 1.0:
+        raise ConfigError("train.ema must be below 1 (0.99 averages about the last 100 steps; "
+                          "0 is off)")
     return Config(values, sources)
 
 
@@ -257,9 +260,9 @@ NON_OPTION_ENV = {"P2PTRAIN_CONFIG", "P2PTRAIN_FAULT"}
 # joins with only a token. Everything else (data, batch, ports, codec) may differ per node.
 SWARM_KEY_PREFIXES = ("model.", "train.lr", "train.min_lr_ratio", "train.warmup_samples",
                       "train.total_samples", "train.weight_decay", "train.beta1", "train.beta2",
-                      "train.grad_clip", "train.seed", "checkpoint.", "gossip.", "net.timing",
-                      "swarm.name", "train.mode", "lora.rank", "lora.alpha", "lora.targets",
-                      "lora.base")
+                      "train.grad_clip", "train.seed", "train.ema", "checkpoint.", "gossip.",
+                      "net.timing", "swarm.name", "train.mode", "lora.rank", "lora.alpha",
+                      "lora.targets", "lora.base")
 
 
 def swarm_options(cfg: Config) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Peak resident memory of a node training N float32 parameters:
     OVERHEAD                 interpreter, numpy/BLAS, the libraries, the built-in corpus
   + 16 B x N                 weights, gradient, AdamW's two moments
   + 4 B x N                  a micro-batch gradient, when a step accumulates (accum > 1)
+  + 4 B x N                  the average of the weights over steps, with train.ema > 0
   + activations              the model's scratch for one micro-batch; evaluation reuses it
   + 1.125 B x corpus tokens  a --data corpus (bytes, and the epoch's window starts)
   networked (not --alone), bounds:
@@ -69,6 +70,7 @@ class Footprint:
     outer: int = 0  # outer steps: the round's progress and the error feedback
     base: int = 0  # LoRA: the frozen 16-bit base's mapped pages (shared between processes)
     widened: int = 0  # LoRA: blocks of the base widened to float32, adapter scratch
+    average: int = 0  # train.ema: the weights averaged over steps
 
     @property
     def total(self) -> int:
@@ -80,12 +82,14 @@ def footprint(n_params: int, activation_bytes: int, *, accum: int = 1,
               queue_bytes: int = GOSSIP.queue_bytes,
               average_part: int = GOSSIP.average_part, outer: bool = False,
               outer_rewind: bool = GOSSIP.outer_rewind,
-              outer_feedback_bits: int = GOSSIP.outer_feedback_bits) -> Footprint:
+              outer_feedback_bits: int = GOSSIP.outer_feedback_bits,
+              ema: bool = False) -> Footprint:
     """The peak memory of training `n_params` parameters whose micro-batch needs
     `activation_bytes` of scratch; `networked`: not --alone; `pushes`: gossip.fanout > 0;
     `outer`: True with outer steps (gossip.outer_every > 0): the round's progress (bfloat16)
     and the error feedback (`outer_feedback_bits`; they replace the pushes' float32
-    residual); without rewinding (`outer_rewind` false) the error feedback alone."""
+    residual); without rewinding (`outer_rewind` false) the error feedback alone; `ema`: an
+    average of the weights is kept (train.ema > 0)."""
     n = int(n_params)
     feedback = Owed8.bytes_for(n) if outer_feedback_bits == 8 else 2 * n
     held = 4 * (held_capacity(n) + average_part) if networked else 0
@@ -100,6 +104,7 @@ def footprint(n_params: int, activation_bytes: int, *, accum: int = 1,
         error_feedback=4 * n if pushes and not outer else 0,
         push_queue=queue_bytes if pushes or outer else 0,
         outer=(2 * n if outer_rewind else 0) + feedback if outer else 0,
+        average=4 * n if ema else 0,
     )
 
 

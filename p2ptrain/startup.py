@@ -117,6 +117,10 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
         model=model.name, params=model.space.n_params, batch=batch)
     if not alone:
         reporter.info(averaging_text(settings, model), event="averaging_plan")
+    if train.ema > 0:
+        reporter.info(f"checkpoints carry an average of the weights over about the last "
+                      f"{1 / (1 - train.ema):,.0f} steps (train.ema = {train.ema:g}), "
+                      f"{4 * model.space.n_params / 2**20:,.0f} MiB more", event="ema")
 
     ckroot = state_dir / "checkpoints"
     for stale in checkpoint.stale_temporaries(ckroot):

@@ -54,8 +54,13 @@ class _Synchronous(ABC):
     def back(self, i: int) -> None:
         self.up[i] = True
 
+    def deliverable_loss(self) -> float:
+        """The held-out loss of what a checkpoint carries: the weights, or with `train.ema`
+        their average."""
+        return self.training.heldout_loss(self.master.checkpoint_weights)
+
     def evaluate(self) -> None:
-        self.recorder.point(self.engine.now, [self.training.heldout_loss(self.master.params)])
+        self.recorder.point(self.engine.now, [self.deliverable_loss()])
         if self.master.finished:
             self.recorder.ended_at = self.engine.now
             self.engine.stop()
@@ -70,7 +75,7 @@ class _Synchronous(ABC):
         engine.run_until(world.scenario.duration)
         curve = self.recorder.curve
         if self.recorder.ended_at is None and (not curve or curve[-1][0] != engine.now):
-            self.recorder.point(engine.now, [self.training.heldout_loss(self.master.params)])
+            self.recorder.point(engine.now, [self.deliverable_loss()])
         return self.recorder.result(world, engine.now)
 
     def apply(self, grad: np.ndarray, samples: int, loss: float) -> None:

@@ -93,8 +93,9 @@ class CoordinatorSim:
 
     def _snapshot(self) -> tuple:
         opt = self.ps.opt
-        return (self.ps.params.copy(), opt.m.copy(), opt.v.copy(), opt.t, self.version,
-                self.samples)
+        # what a checkpoint carries: the weights, or with train.ema their average
+        return (self.ps.checkpoint_weights.copy(), opt.m.copy(), opt.v.copy(), opt.t,
+                self.version, self.samples)
 
     def _checkpoint(self, generation: int) -> None:
         if self.ps_alive and generation == self.ps_generation:
@@ -116,6 +117,7 @@ class CoordinatorSim:
         params, m, v, t, self.version, self.samples = self.saved
         opt = self.ps.opt
         np.copyto(self.ps.params, params)
+        self.ps.average = None  # as a node's restore: the average starts again from them
         np.copyto(opt.m, m)
         np.copyto(opt.v, v)
         opt.t = t
@@ -149,6 +151,8 @@ class CoordinatorSim:
         grad *= 1.0 / self.acc_samples
         clip_global_norm(grad, self.ps.grad_clip)
         self.ps.opt.step(self.ps.params, grad, self.ps.schedule.lr(self.samples))
+        if self.ps.ema > 0:
+            self.ps.update_average()
         self.version += 1
         self.samples += self.acc_samples
         self.recorder.applied_samples = self.samples
@@ -240,9 +244,14 @@ class CoordinatorSim:
 
     # -- running --------------------------------------------------------------------------
 
+    def deliverable_loss(self) -> float:
+        """The held-out loss of what the server's checkpoints carry (its weights, or with
+        `train.ema` their average); while it is down, of the weights it last saved."""
+        params = self.ps.checkpoint_weights if self.ps_alive else self.saved[0]
+        return self.training.heldout_loss(params)
+
     def evaluate(self) -> None:
-        params = self.ps.params if self.ps_alive else self.saved[0]
-        self.recorder.point(self.engine.now, [self.training.heldout_loss(params)])
+        self.recorder.point(self.engine.now, [self.deliverable_loss()])
         if self.samples >= self.training.settings.total_samples:
             self.recorder.ended_at = self.engine.now
             self.engine.stop()
@@ -260,8 +269,7 @@ class CoordinatorSim:
         engine.run_until(scenario.duration)
         curve = self.recorder.curve
         if self.recorder.ended_at is None and (not curve or curve[-1][0] != engine.now):
-            self.recorder.point(engine.now, [self.training.heldout_loss(
-                self.ps.params if self.ps_alive else self.saved[0])])
+            self.recorder.point(engine.now, [self.deliverable_loss()])
         host = self.network.endpoints[self.host.index]
         self.recorder.extra.update({
             "coordinator": {"index": self.host.index, "device": self.host.device.name,

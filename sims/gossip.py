@@ -371,15 +371,20 @@ class GossipSim:
 
     def measure(self) -> None:
         """One evaluation: every live replica's held-out loss, their consensus distance, and
-        the deliverable -- the replica of the leader (the highest term's, if two claim), whose
-        checkpoints are what a user takes away; while no live replica leads, the mean."""
+        the deliverable -- what the checkpoints of the leader (the highest term's, if two
+        claim) carry, which a user takes away: its replica, or with `train.ema` the average
+        of its weights; while no live replica leads, the mean."""
         live = self.live()
         losses = [self.training.heldout_loss(m.node.learner.params) for m in live]
         distance = consensus_distance([m.node.learner.params for m in live]) if live else None
-        leaders = [(m.node.control.term, m.member.index, loss)
+        leaders = [(m.node.control.term, m.member.index, loss, m.node.learner)
                    for m, loss in zip(live, losses, strict=True) if m.node.is_leader]
-        self.recorder.point(self.engine.now, losses, distance,
-                            max(leaders)[2] if leaders else None)
+        deliverable = None
+        if leaders:
+            _, _, deliverable, learner = max(leaders, key=lambda x: x[:2])
+            if learner.checkpoint_weights is not learner.params:
+                deliverable = self.training.heldout_loss(learner.checkpoint_weights)
+        self.recorder.point(self.engine.now, losses, distance, deliverable)
 
     def evaluate(self) -> None:
         self.measure()

@@ -4,14 +4,15 @@ utilisation, consensus distance.
 
 A method calls `Recorder.point(t, losses, distance, deliverable)` at every evaluation (one
 loss per live replica: the mean is the curve, the worst is kept too; `deliverable` is the
-loss of the model a user takes away -- gossip's leader's replica, which writes the swarm's
-checkpoints; a method with one model passes none, its mean is that model) and counts steps
-and bytes as it goes; `Recorder.result(world, until)` turns it into a plain dict for
-results.json. Time to target is the first evaluation at which the deliverable's loss is at
-or below the target, `mean_time_to_target` the same for the mean over replicas (their
-resolution is the scenario's `eval_every`); with `stop` set (the scenario's
-`stop_at_target`), the deliverable's reaching it ends the run. Numbers are rounded to 6 significant
-digits so results.json stays readable; the same run gives the same bytes. Pure.
+loss of the model a user takes away -- what the swarm's checkpoints carry: gossip's leader's
+replica, or with `train.ema` the average of its weights; a method with one model passes
+none, its mean is that model) and counts steps and bytes as it goes;
+`Recorder.result(world, until)` turns it into a plain dict for results.json. Time to target
+is the first evaluation at which the deliverable's loss is at or below the target,
+`mean_time_to_target` the same for the mean over replicas (their resolution is the
+scenario's `eval_every`); with `stop` set (the scenario's `stop_at_target`), the
+deliverable's reaching it ends the run. Numbers are rounded to 6 significant digits so
+results.json stays readable; the same run gives the same bytes. Pure.
 """
 
 from __future__ import annotations

@@ -11,12 +11,19 @@ import pytest
 from tests.bench import weightavg
 
 
-def test_an_average_starts_at_the_weights_and_decays_by_beta():
+def test_an_average_starts_at_the_weights_and_decays_as_a_nodes_does():
     avg = weightavg.Averages(0.75)
     avg.update("a", np.array([4.0, 8.0], dtype=np.float32))
     avg.update("a", np.array([8.0, 0.0], dtype=np.float32))
     avg.update("b", np.array([1.0, 1.0], dtype=np.float32))
-    assert avg.of["a"].tolist() == [5.0, 6.0] and avg.of["b"].tolist() == [1.0, 1.0]
+    d = 2 / 11  # young: (1 + 1) / (10 + 1), below beta (p2ptrain.learner.ema_decay)
+    np.testing.assert_allclose(avg.of["a"], [4 * d + 8 * (1 - d), 8 * d], rtol=1e-6)
+    assert avg.of["b"].tolist() == [1.0, 1.0]
+    for _ in range(200):  # old: beta itself
+        avg.update("b", np.array([3.0, 1.0], dtype=np.float32))
+    before = avg.of["b"].copy()
+    avg.update("b", np.array([7.0, 1.0], dtype=np.float32))
+    np.testing.assert_allclose(avg.of["b"], 0.75 * before + 0.25 * np.array([7.0, 1.0]))
     for bad in (1.0, -0.1):
         with pytest.raises(ValueError):
             weightavg.Averages(bad)

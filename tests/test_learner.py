@@ -1,12 +1,14 @@
 import dataclasses
 
 import numpy as np
+import pytest
 
 from p2ptrain import checkpoint
-from p2ptrain.config import resolve, settings_of
+from p2ptrain import learner as learner_module
+from p2ptrain.config import ConfigError, resolve, settings_of
 from p2ptrain.data import load_corpus
 from p2ptrain.identity import load_or_create
-from p2ptrain.learner import Learner
+from p2ptrain.learner import Learner, ema_decay
 from p2ptrain.models import build_model
 from p2ptrain.models.mlp import MLPConfig
 
@@ -65,3 +67,42 @@ def test_run_finishes_at_total_samples():
         learner.train_step()
         steps += 1
     assert steps == 3 and learner.swarm_samples == 24
+
+
+def test_with_ema_checkpoints_carry_the_average_of_the_weights_over_steps(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setattr(learner_module, "AVERAGE_CHUNK", 100)  # several chunks, a short last
+    ident = load_or_create(tmp_path)
+    plain, averaged = make(ident.node_id), make(ident.node_id, ema=0.75)
+    weights = []
+    for _ in range(3):
+        plain.train_step()
+        averaged.train_step()
+        weights.append(averaged.params.copy())
+    np.testing.assert_array_equal(plain.params, averaged.params)  # training is unchanged
+    assert plain.average is None and plain.checkpoint_weights is plain.params
+    d1, d2 = 2 / 11, 3 / 12  # the warm-up: (1 + n) / (10 + n) below 0.75 for n steps in it
+    expected = d2 * (d1 * weights[0] + (1 - d1) * weights[1]) + (1 - d2) * weights[2]
+    assert (ema_decay(0.75, 1), ema_decay(0.75, 2), ema_decay(0.75, 50)) == (d1, d2, 0.75)
+    np.testing.assert_allclose(averaged.average, expected, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(averaged.average, averaged.params)
+    path = checkpoint.save(tmp_path / "ck", averaged.snapshot(term=0), ident, keep=2)
+    saved = averaged.model.space.zeros()
+    checkpoint.load_tensors(path, checkpoint.MODEL_FILE, averaged.model.space.views(saved))
+    np.testing.assert_array_equal(saved, averaged.average)
+    resumed = make(ident.node_id, ema=0.75)
+    resumed.restore(path, checkpoint.read_manifest(path))  # the average becomes the weights
+    np.testing.assert_array_equal(resumed.params, averaged.average)
+    averaged.restore(path, checkpoint.read_manifest(path))
+    assert averaged.average is None  # started again from the loaded weights at the next step
+    averaged.train_step()
+    np.testing.assert_array_equal(averaged.average, averaged.params)
+
+
+def test_ema_must_be_below_one():
+    assert settings_of(resolve(None, {}, {"train.ema": 0.99})).train.ema == 0.99
+    for bad in (1.0, 1.5):
+        with pytest.raises(ConfigError, match="train.ema must be below 1"):
+            resolve(None, {}, {"train.ema": bad})
+    with pytest.raises(ConfigError):
+        resolve(None, {}, {"train.ema": -0.1})

@@ -86,3 +86,10 @@ def test_hw_reports_what_a_4_and_an_8_gb_pi_can_train():
     # LoRA r16 on a 16-bit base: a 4 GB Pi trains about a billion (section 15)
     assert 0.8e9 < four["lora"]["params"] < 1.6e9 < eight["lora"]["params"]
     assert "nothing fits" in memplan.describe_largest(memplan.largest_here(0))
+
+
+def test_an_average_of_the_weights_costs_four_bytes_a_parameter():
+    from p2ptrain.memplan import footprint
+
+    plain, averaged = footprint(10**6, 0), footprint(10**6, 0, ema=True)
+    assert averaged.average == 4 * 10**6 == averaged.total - plain.total

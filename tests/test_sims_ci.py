@@ -113,3 +113,41 @@ def test_traffic_only_sweep():
     assert 5 < c32["saturation_nodes"] < 7
     assert json.loads(run.dumps(first))["points"][0]["push_bytes"] > 0
     assert traffic.sweep_points(scenario)[0] == {"nodes": 4, "params": 1000000, "method": 0}
+
+
+def test_with_train_ema_every_method_delivers_the_average_its_checkpoints_carry():
+    """`[train] ema`: the deliverable is what a checkpoint carries -- the server's average,
+    the gossip leader's average, the coordinator's -- not the weights being trained."""
+    from sims.allreduce import SoloSim
+    from sims.coordinator import CoordinatorSim
+    from sims.fleet import Training, World
+    from sims.gossip import GossipSim
+
+    base = load("ci")
+    scenario = base.replace(train={**base.train, "ema": 0.9}, stop_at_target=False)
+    for kind, cls in (("solo", SoloSim), ("gossip", GossipSim),
+                      ("coordinator", CoordinatorSim)):
+        method = next(m for m in scenario.methods if m.kind == kind)
+        training = Training(scenario)
+        sim = cls(World(scenario, 1, training), method)
+        learners = []  # the learner whose checkpoints are the deliverable, at each evaluation
+        if kind == "gossip":
+            measure = sim.measure
+
+            def measured(sim=sim, measure=measure, learners=learners):
+                measure()
+                leaders = [m.node for m in sim.live() if m.node.is_leader]
+                if leaders:
+                    learners.append((max(leaders, key=lambda n: n.control.term).learner,
+                                     sim.recorder.curve[-1]))
+            sim.measure = measured
+        sim.run()
+        if kind != "gossip":
+            learners.append((sim.ps if kind == "coordinator" else sim.master,
+                             sim.recorder.curve[-1]))
+        learner, point = learners[-1]
+        assert learner.average is not None and not np.array_equal(learner.average,
+                                                                  learner.params)
+        delivered = point[5]
+        assert delivered == pytest.approx(training.heldout_loss(learner.average), rel=1e-5)
+        assert delivered != pytest.approx(training.heldout_loss(learner.params), rel=1e-4)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from p2ptrain.learner import ema_decay
 from sims import run as sims_run
 from sims.allreduce import SoloSim
 from sims.gossip import GossipSim
@@ -34,21 +35,26 @@ SOLO, GOSSIP = "one server alone", "gossip, the default"
 
 
 class Averages:
-    """One exponential moving average of weights per key (a machine and its incarnation)."""
+    """One exponential moving average of weights per key (a machine and its incarnation),
+    with the decay `train.ema` gives a node (`p2ptrain.learner.ema_decay`: `beta`, lower
+    while the average is young)."""
 
     def __init__(self, beta: float):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"beta must be in [0, 1), not {beta}")
         self.beta = beta
         self.of: dict[object, np.ndarray] = {}
+        self.steps: dict[object, int] = {}
 
     def update(self, key: object, params: np.ndarray) -> None:
         avg = self.of.get(key)
         if avg is None:  # the first step: the average starts at the weights
-            self.of[key] = params.copy()
+            self.of[key], self.steps[key] = params.copy(), 1
             return
-        avg *= self.beta
-        avg += (1.0 - self.beta) * params
+        decay = ema_decay(self.beta, self.steps[key])
+        self.steps[key] += 1
+        avg *= decay
+        avg += (1.0 - decay) * params
 
 
 @dataclass
