@@ -33,6 +33,8 @@ from p2ptrain.swarmcount import SwarmCount
 
 EVAL_BATCH = 32  # held-out windows per forward pass, at most (never more than a micro-batch)
 AVERAGE_CHUNK = 1 << 20  # coordinates the average of the weights is updated by at a time
+LIVE_WEIGHTS = "weights.trained"  # state tensor: the weights, when the model is their average
+EMA_STEPS = "ema_steps"  # state meta: steps in that average
 JUDGE_WINDOWS = 16  # held-out windows a fetched checkpoint is judged on
 
 
@@ -115,6 +117,8 @@ class Learner:
         self.progress: Progress | Owed8 | None = None  # set by an outer optimiser: steps summed
         self.outer: Any = None  # the outer optimiser (its state goes into checkpoints)
         self.outer_saved: dict[str, Any] | None = None  # its state from our own checkpoint
+        if not 0.0 <= train.ema < 1.0:
+            raise ValueError(f"train.ema must be in [0, 1), not {train.ema}")
         self.ema = train.ema
         self.average: np.ndarray | None = None  # train.ema: the weights averaged over steps
         self.averaged = 0  # steps in the average since it started
@@ -189,6 +193,10 @@ class Learner:
         """Mean held-out loss (nats/token) over the fixed evaluation windows."""
         return self._held_out_loss(self.params, self.heldout)
 
+    def evaluate_average(self) -> float | None:
+        """`evaluate` of the average of the weights (`train.ema`); None while there is none."""
+        return None if self.average is None else self._held_out_loss(self.average, self.heldout)
+
     def evaluate_params(self, params: np.ndarray, windows: int = JUDGE_WINDOWS) -> float:
         """Held-out loss of other weights on the first `windows` fixed evaluation windows
         (the same on every node that reads the same corpus, to float32 rounding)."""
@@ -226,6 +234,10 @@ class Learner:
                       "node_id": self.node_id, "data": self.sampler.position()}
         if outer_meta is not None:
             state_meta[OUTER] = outer_meta
+        live = []  # with an average in the model file, the trained weights go with the state
+        if self.average is not None:
+            state_meta[EMA_STEPS] = self.averaged
+            live = [(LIVE_WEIGHTS, self.params)]
         return checkpoint.Snapshot(
             step=self.step,
             term=term,
@@ -233,7 +245,8 @@ class Learner:
             fingerprint=self.fingerprint,
             arch=self.model.arch(),
             model_tensors=[(s.name, space.view(self.checkpoint_weights, s.name)) for s in space],
-            state_tensors=[("adam.m", self.opt.m), ("adam.v", self.opt.v), *outer_tensors],
+            state_tensors=[("adam.m", self.opt.m), ("adam.v", self.opt.v), *outer_tensors,
+                           *live],
             model_meta={} if self.tokenizer_json is None else {
                 checkpoint.TOKENIZER_META_KEY: self.tokenizer_json},
             state_meta=state_meta,
@@ -245,7 +258,11 @@ class Learner:
         the swarm counter) from a verified checkpoint; call it between steps. The weights are
         checked before the live ones change: they are read into the gradient buffer first (no
         second copy of the model). The moments are read in place, after every other check: a
-        file that fails then (changed on disk since it was verified) leaves them reset."""
+        file that fails then (changed on disk since it was verified) leaves them reset.
+        Our own checkpoint whose model is the average of the weights (`train.ema`) gives back
+        both: the trained weights from its state, and the average goes on from the model
+        file (with train.ema off now, the trained weights alone); any other checkpoint's model
+        becomes the weights and a new average starts from them."""
         space = self.model.space
         count = SwarmCount(manifest.swarm_count)
         if with_state:
@@ -262,6 +279,16 @@ class Learner:
         checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(staged))
         if not all_finite(staged):
             raise checkpoint.CheckpointError(f"{path.name}: weights hold non-finite values")
+        live, ema_steps = None, 0  # our own trained weights, when the model is their average
+        if with_state and same_node and meta.get(EMA_STEPS) is not None:
+            try:
+                ema_steps = int(meta[EMA_STEPS])
+            except (TypeError, ValueError):
+                raise checkpoint.CheckpointError(f"{path.name}: bad {EMA_STEPS}") from None
+            live = space.zeros()  # becomes the average's buffer below
+            checkpoint.load_tensors(path, checkpoint.STATE_FILE, {LIVE_WEIGHTS: live})
+            if ema_steps < 1 or not all_finite(live):
+                raise checkpoint.CheckpointError(f"{path.name}: bad trained weights")
         if with_state:
             # the outer optimiser's state: our own only (another node's owes its own progress)
             outer = state_arrays(meta.get(OUTER), space.n_params) if same_node else None
@@ -273,9 +300,14 @@ class Learner:
                 self.opt.reset()
                 raise
             self.outer_saved = None if outer is None else {"meta": meta[OUTER], "arrays": outer}
-        np.copyto(self.params, staged)
+        if live is None:
+            np.copyto(self.params, staged)
+            self.average, self.averaged = None, 0  # train.ema: it starts again from these
+        else:
+            np.copyto(self.params, live)
+            np.copyto(live, staged)
+            self.average, self.averaged = (live, ema_steps) if self.ema > 0 else (None, 0)
         staged.fill(0.0)
-        self.average, self.averaged = None, 0  # train.ema: it starts again from these weights
         if with_count:
             self.count.merge(count.as_dict())  # merged: what this node knew is never lost
         if with_state:

@@ -68,9 +68,12 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
 
     def evaluate(now: float) -> float:
         loss = learner.evaluate()
+        average = learner.evaluate_average()  # train.ema: what the checkpoints carry
         plan.evaluated(time.monotonic())
-        reporter.info(f"held-out loss {loss:.3f} at step {learner.step} ({now - start:.0f}s)",
-                      event="eval", step=learner.step, eval_loss=loss, elapsed_s=now - start)
+        also = "" if average is None else f"; the average in checkpoints {average:.3f}"
+        reporter.info(f"held-out loss {loss:.3f}{also} at step {learner.step} "
+                      f"({now - start:.0f}s)", event="eval", step=learner.step, eval_loss=loss,
+                      average_eval_loss=average, elapsed_s=now - start)
         return loss
 
     reason = "stopped"

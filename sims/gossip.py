@@ -240,7 +240,9 @@ class GossipSim:
 
     def adopt(self, i: int, action: AdoptCheckpoint) -> None:
         ckpt = self.fetched_data[action.path]  # the node merged the counter itself
-        np.copyto(self.machines[i].node.learner.params, ckpt.params)
+        learner = self.machines[i].node.learner
+        np.copyto(learner.params, ckpt.params)
+        learner.average, learner.averaged = None, 0  # as a node's restore of another's
 
     # -- the node's events and actions ---------------------------------------------------
 
@@ -256,7 +258,8 @@ class GossipSim:
                 self.run_step(i, action.step)
             elif kind is SaveCheckpoint:
                 holding = self.holding(i, action.term)
-                self.checkpoint = Checkpoint(self.engine.now, i, node.learner.params.copy(),
+                self.checkpoint = Checkpoint(self.engine.now, i,
+                                             node.learner.checkpoint_weights.copy(),
                                              node.learner.count.as_dict(), holding)
                 self.engine.after(0.0, self._holds, i, mach.generation, holding)
             elif kind is LeaderChanged:

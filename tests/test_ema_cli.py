@@ -23,11 +23,12 @@ def weights_after(tmp_path, name: str, steps: int, identity, ema: float = 0.0) -
     state.mkdir()
     shutil.copy(identity, state / identity.name)  # the same node: the same data order
     env = cli_env(P2PTRAIN_STATE_DIR=str(state), P2PTRAIN_TRAIN_EMA=str(ema),
-                  P2PTRAIN_LOG_FORMAT="text")
+                  P2PTRAIN_LOG_FORMAT="text", P2PTRAIN_CHECKPOINT_EVERY_SECONDS="3600")
     done = run_cli("join", "--steps", str(steps), "--batch", "8", env=env, timeout=180)
     assert done.returncode == 0, done.stderr
-    assert ("checkpoints carry an average of the weights" in done.stdout + done.stderr) == (
-        ema > 0)
+    out = done.stdout + done.stderr
+    assert ("checkpoints carry an average of the weights" in out) == (ema > 0)
+    assert ("the average in checkpoints" in out) == (ema > 0)  # the final evaluation
     [path] = checkpoint.list_checkpoints(state / "checkpoints")
     assert checkpoint.read_manifest(path).step == steps
     with open(path / checkpoint.MODEL_FILE, "rb") as f:

@@ -74,6 +74,7 @@ def test_with_ema_checkpoints_carry_the_average_of_the_weights_over_steps(tmp_pa
     monkeypatch.setattr(learner_module, "AVERAGE_CHUNK", 100)  # several chunks, a short last
     ident = load_or_create(tmp_path)
     plain, averaged = make(ident.node_id), make(ident.node_id, ema=0.75)
+    assert averaged.params.size > 100 and averaged.params.size % 100
     weights = []
     for _ in range(3):
         plain.train_step()
@@ -90,13 +91,40 @@ def test_with_ema_checkpoints_carry_the_average_of_the_weights_over_steps(tmp_pa
     saved = averaged.model.space.zeros()
     checkpoint.load_tensors(path, checkpoint.MODEL_FILE, averaged.model.space.views(saved))
     np.testing.assert_array_equal(saved, averaged.average)
-    resumed = make(ident.node_id, ema=0.75)
-    resumed.restore(path, checkpoint.read_manifest(path))  # the average becomes the weights
-    np.testing.assert_array_equal(resumed.params, averaged.average)
-    averaged.restore(path, checkpoint.read_manifest(path))
-    assert averaged.average is None  # started again from the loaded weights at the next step
-    averaged.train_step()
-    np.testing.assert_array_equal(averaged.average, averaged.params)
+    other = make("another-node", ema=0.75)  # another's checkpoint: its model is the weights
+    other.restore(path, checkpoint.read_manifest(path))
+    np.testing.assert_array_equal(other.params, averaged.average)
+    assert other.average is None  # started again from the loaded weights at the next step
+    other.train_step()
+    np.testing.assert_array_equal(other.average, other.params)
+    adopted = make(ident.node_id, ema=0.75)  # adopting it (no state): the same
+    adopted.restore(path, checkpoint.read_manifest(path), with_state=False)
+    np.testing.assert_array_equal(adopted.params, averaged.average)
+    assert adopted.average is None
+    plain_now = make(ident.node_id)  # our own, train.ema off now: the trained weights
+    plain_now.restore(path, checkpoint.read_manifest(path))
+    np.testing.assert_array_equal(plain_now.params, averaged.params)
+    assert plain_now.average is None
+
+
+def test_with_ema_a_resume_from_our_own_checkpoint_continues_exactly(tmp_path):
+    ident = load_or_create(tmp_path)
+    straight = make(ident.node_id, ema=0.9)
+    for _ in range(6):
+        straight.train_step()
+    first = make(ident.node_id, ema=0.9)
+    for _ in range(3):
+        first.train_step()
+    path = checkpoint.save(tmp_path / "ck", first.snapshot(term=0), ident, keep=2)
+    resumed = make(ident.node_id, ema=0.9)
+    resumed.restore(path, checkpoint.read_manifest(path))
+    np.testing.assert_array_equal(resumed.params, first.params)  # trained, not the average
+    np.testing.assert_array_equal(resumed.average, first.average)
+    assert resumed.averaged == first.averaged == 3
+    for _ in range(3):
+        resumed.train_step()
+    np.testing.assert_array_equal(resumed.params, straight.params)
+    np.testing.assert_array_equal(resumed.average, straight.average)
 
 
 def test_ema_must_be_below_one():
@@ -106,3 +134,5 @@ def test_ema_must_be_below_one():
             resolve(None, {}, {"train.ema": bad})
     with pytest.raises(ConfigError):
         resolve(None, {}, {"train.ema": -0.1})
+    with pytest.raises(ValueError, match="train.ema"):
+        make(ema=1.0)  # a TrainConfig built directly (the simulator's) is checked too

@@ -141,7 +141,19 @@ def test_with_train_ema_every_method_delivers_the_average_its_checkpoints_carry(
                     learners.append((max(leaders, key=lambda n: n.control.term).learner,
                                      sim.recorder.curve[-1]))
             sim.measure = measured
+            handle, saved = sim.handle, []  # each checkpoint the leader writes, as written
+
+            def handled(i, event, sim=sim, handle=handle, saved=saved):
+                before = sim.checkpoint
+                handle(i, event)
+                if sim.checkpoint is not before and sim.checkpoint.params is not None:
+                    writer = sim.machines[sim.checkpoint.writer].node.learner
+                    saved.append(writer.average is not None and np.array_equal(
+                        sim.checkpoint.params, writer.average))
+            sim.handle = handled
         sim.run()
+        if kind == "gossip":
+            assert saved and all(saved)  # joiners adopt the average, as from a real leader
         if kind != "gossip":
             learners.append((sim.ps if kind == "coordinator" else sim.master,
                              sim.recorder.curve[-1]))
