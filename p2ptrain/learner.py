@@ -162,17 +162,18 @@ class Learner:
             raise FloatingPointError(f"gradient norm is {norm} at step {self.step}")
         lr = self.schedule.lr(self.count.total)
         self.opt.step(self.params, grad, lr, self.progress)
-        if self.ema > 0:
-            self.update_average()
+        self.update_average()
         self.step += 1
         self.samples += self.batch
         self.count.add(self.node_id, self.batch)
         return StepResult(loss, norm, lr, self.batch, self.batch * self.model.ctx_len)
 
     def update_average(self) -> None:
-        """average <- d x average + (1 - d) x weights, d = `ema_decay(ema, steps in it)`, in
-        place and in chunks (no other buffer of the model's size); the first step starts it
-        at the weights."""
+        """After a step, with `train.ema`: average <- d x average + (1 - d) x weights,
+        d = `ema_decay(ema, steps in it)`, in place and in chunks (no other buffer of the
+        model's size); the first step starts it at the weights."""
+        if self.ema <= 0:
+            return
         if self.average is None:
             self.average, self.averaged = self.params.copy(), 1
             return
@@ -182,6 +183,11 @@ class Learner:
         for lo in range(0, len(params), AVERAGE_CHUNK):
             part = avg[lo : lo + AVERAGE_CHUNK]
             part += share * (params[lo : lo + AVERAGE_CHUNK] - part)
+
+    def restart_average(self) -> None:
+        """The weights were replaced from elsewhere: the average starts again at the next
+        step, from them."""
+        self.average, self.averaged = None, 0
 
     @property
     def checkpoint_weights(self) -> np.ndarray:
@@ -302,11 +308,13 @@ class Learner:
             self.outer_saved = None if outer is None else {"meta": meta[OUTER], "arrays": outer}
         if live is None:
             np.copyto(self.params, staged)
-            self.average, self.averaged = None, 0  # train.ema: it starts again from these
+            self.restart_average()
         else:
             np.copyto(self.params, live)
             np.copyto(live, staged)
-            self.average, self.averaged = (live, ema_steps) if self.ema > 0 else (None, 0)
+            self.restart_average()
+            if self.ema > 0:  # our own average goes on
+                self.average, self.averaged = live, ema_steps
         staged.fill(0.0)
         if with_count:
             self.count.merge(count.as_dict())  # merged: what this node knew is never lost

@@ -117,7 +117,7 @@ class CoordinatorSim:
         params, m, v, t, self.version, self.samples = self.saved
         opt = self.ps.opt
         np.copyto(self.ps.params, params)
-        self.ps.average = None  # as a node's restore: the average starts again from them
+        self.ps.restart_average()  # as a node's restore
         np.copyto(opt.m, m)
         np.copyto(opt.v, v)
         opt.t = t
@@ -151,8 +151,7 @@ class CoordinatorSim:
         grad *= 1.0 / self.acc_samples
         clip_global_norm(grad, self.ps.grad_clip)
         self.ps.opt.step(self.ps.params, grad, self.ps.schedule.lr(self.samples))
-        if self.ps.ema > 0:
-            self.ps.update_average()
+        self.ps.update_average()  # train.ema
         self.version += 1
         self.samples += self.acc_samples
         self.recorder.applied_samples = self.samples

@@ -64,6 +64,7 @@ from p2ptrain.proto import (
     Tick,
     consensus_distance,
 )
+from sims.charge import ModelSize
 from sims.engine import Timer, stream_seed
 from sims.fleet import Member, World, proto_config
 from sims.metrics import Recorder
@@ -95,6 +96,15 @@ def split_params(params: dict, flops_per_coordinate: float) -> tuple[GossipConfi
     # it still joins as a real node does (FetchCheckpoint before its first step)
     node_knobs = {"min_peers": 0, **{k: v for k, v in params.items() if k in node_fields}}
     node = NodeConfig(gossip=gossip, **node_knobs)
+    return gossip, node
+
+
+def configure(params: dict, charged: ModelSize, proxy_params: int
+              ) -> tuple[GossipConfig, NodeConfig]:
+    """`split_params` of a method's knobs for the charged model, refused where the proxy of
+    `proxy_params` cannot stand for a subset share (`check_shares`)."""
+    gossip, node = split_params(params, charged.flops_per_sample / charged.params)
+    check_shares(gossip, proxy_params)
     return gossip, node
 
 
@@ -152,10 +162,7 @@ class GossipSim:
         self.method = method
         self.proto = proto_config(world.scenario)
         charged = world.charged
-        gossip, self.node_config = split_params(method.params,
-                                                charged.flops_per_sample / charged.params)
-        if world.training is not None:
-            check_shares(gossip, world.training.size.params)
+        _, self.node_config = configure(method.params, charged, world.training.size.params)
         self.recorder = Recorder(method.name, method.kind, method.params,
                                  world.scenario.target_loss)
         self.machines = [Machine(m) for m in world.members]
@@ -242,7 +249,7 @@ class GossipSim:
         ckpt = self.fetched_data[action.path]  # the node merged the counter itself
         learner = self.machines[i].node.learner
         np.copyto(learner.params, ckpt.params)
-        learner.average, learner.averaged = None, 0  # as a node's restore of another's
+        learner.restart_average()  # as a node's restore of another's checkpoint
 
     # -- the node's events and actions ---------------------------------------------------
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sims.fleet import Training, charged_size
-from sims.gossip import check_shares, split_params
+from sims.gossip import configure
 from sims.run import fleet_summary, run_method
 from sims.scenario import Method, Scenario, load
 
@@ -85,8 +85,7 @@ def check_configs(scenario: Scenario, configs: list[tuple[str, dict[str, Any]]])
     for name, knobs in configs:
         params = {k: v for k, v in method_for(scenario, name, knobs).params.items() if k != "lr"}
         try:
-            gossip, _ = split_params(params, charged.flops_per_sample / charged.params)
-            check_shares(gossip, training.size.params)
+            configure(params, charged, training.size.params)
         except (TypeError, ValueError) as e:
             raise ValueError(f"configuration {name}: {e}") from e
 
