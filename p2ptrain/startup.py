@@ -27,8 +27,13 @@ from p2ptrain.hw import explain_batch
 from p2ptrain.identity import Identity, load_or_create
 from p2ptrain.learner import Learner
 from p2ptrain.models import Model, build_model, hf
-from p2ptrain.proto import MemberInfo
-from p2ptrain.proto.gossip.config import AUTO, AUTO_FULL_FLOPS, flops_per_coordinate
+from p2ptrain.proto import MemberInfo, fingerprint_of
+from p2ptrain.proto.gossip.config import (
+    AUTO,
+    AUTO_FULL_FLOPS,
+    GossipConfig,
+    flops_per_coordinate,
+)
 from p2ptrain.report import Reporter
 from p2ptrain.settings import Settings
 from p2ptrain.statelock import lock_state_dir
@@ -248,16 +253,21 @@ def initialize_from_hf(learner: Learner, hf_dir: Path) -> None:
 
 
 def member_info(learner: Learner, hw: Any, addr: str, priority: int,
-                outbound_only: bool) -> MemberInfo:
+                outbound_only: bool, gossip: GossipConfig) -> MemberInfo:
     """How this node describes itself to the swarm (fixed for one incarnation): the fields
-    that must match between members (architecture, layout, vocabulary, mode) included."""
+    that must match between members (architecture, layout, vocabulary, mode, the shape of an
+    averaging exchange) included, and the fingerprint of them all."""
     model = learner.model
+    n = model.space.n_params
+    plan = gossip.averaging_plan(n, flops_per_coordinate(model, n))
     fields = {"arch": json.dumps(model.arch(), sort_keys=True),
               "layout": model.space.fingerprint(), "vocab": str(model.vocab_size),
-              "tokenizer": learner.tokenizer_id, "mode": model.mode}
+              "tokenizer": learner.tokenizer_id, "mode": model.mode,
+              "averaging": plan.wire_shape()}
     if model.mode == "lora":
         fields["base"] = model.base_id
+    fingerprint = fingerprint_of({**fields, "model": learner.fingerprint})
     # capability to 3 decimals (as the simulator's devices advertise it): it only breaks
     # election ties, and every header carries it -- 7 characters, not a float's 18
     return MemberInfo(learner.node_id, addr, hw.device_class, round(float(hw.matmul_gflops), 3),
-                      priority, learner.fingerprint, fields, outbound_only)
+                      priority, fingerprint, fields, outbound_only)

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.swarmlab import SwarmLab, free_ports, wait_for
+from tests.swarmlab import SMALL_SWARM_TOML, SwarmLab, free_ports, wait_for
 
 pytestmark = [pytest.mark.processes]
 
@@ -48,6 +48,7 @@ def test_metrics_parse_with_conventional_names_and_types(tmp_path):
         }
         for name, kind in types.items():
             assert name in first and first[name].type == kind, (name, first.get(name))
+        assert "p2ptrain_average_eval_loss" not in first  # no train.ema: no average
         assert _value(first["p2ptrain_members"], state="alive") == 1
         hist = first["p2ptrain_step_seconds"]
         count = _value(hist, "_count")
@@ -59,4 +60,22 @@ def test_metrics_parse_with_conventional_names_and_types(tmp_path):
         wait_for("the counters to move", lambda: _value(
             _scrape(a.addr)["p2ptrain_steps"], "_total") > _value(first["p2ptrain_steps"],
                                                                  "_total"), 30)
+        assert all(c == 0 for c in lab.stop_all())
+
+
+def test_with_ema_a_node_reports_the_loss_of_the_average_its_checkpoints_carry(tmp_path):
+    """A networked node with `train.ema` evaluates the average of its weights beside them:
+    the eval log line and event, the status document and a gauge say its held-out loss."""
+    config = SMALL_SWARM_TOML.replace("[train]\n", "[train]\nema = 0.99\n")
+    with SwarmLab(tmp_path, config) as lab:
+        [port] = free_ports(1)
+        a = lab.start("a", port, [], env=lab.env(P2PTRAIN_NODE_MIN_PEERS="0"))
+        evals = wait_for("an evaluation of the average", lambda: [
+            e for e in a.events() if e.get("event") == "eval"
+            and e.get("average_eval_loss") is not None], 90)
+        assert "the average in checkpoints" in evals[0]["message"]
+        assert evals[0]["average_eval_loss"] > 0
+        doc = a.status()
+        gauge = _value(_scrape(a.addr)["p2ptrain_average_eval_loss"])
+        assert gauge > 0 and doc["average_eval_loss"] > 0
         assert all(c == 0 for c in lab.stop_all())

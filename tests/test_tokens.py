@@ -160,6 +160,7 @@ def test_a_different_tokenizer_is_a_differing_field_named_tokenizer(shakespeare,
     from p2ptrain.learner import Learner, TrainConfig
     from p2ptrain.models import build_model
     from p2ptrain.models.rwkv import RWKVConfig
+    from p2ptrain.proto.gossip.config import GossipConfig
     from p2ptrain.startup import member_info
 
     other_tok = bpe(tmp_path / "other.json", TEXT[::-1])  # same size, other merges
@@ -172,7 +173,7 @@ def test_a_different_tokenizer_is_a_differing_field_named_tokenizer(shakespeare,
                                                n_embd=16))
         learner = Learner(model, "a" * 32, TrainConfig(), corpus, 2, 1, 4)
         hw = type("HW", (), {"device_class": "desktop", "matmul_gflops": 1.0})()
-        infos.append(member_info(learner, hw, "127.0.0.1:1", 0, False))
+        infos.append(member_info(learner, hw, "127.0.0.1:1", 0, False, GossipConfig()))
     assert infos[0].fingerprint != infos[1].fingerprint
     assert differing_keys(infos[0].fingerprint_fields, infos[1].fingerprint_fields) == \
         ["tokenizer"]

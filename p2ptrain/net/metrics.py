@@ -40,6 +40,8 @@ COUNTERS = (  # status key, metric name (without _total), help
 GAUGES = (
     ("loss", "p2ptrain_train_loss", "training loss of the last step (nats/token)"),
     ("eval_loss", "p2ptrain_eval_loss", "last held-out loss (nats/token)"),
+    ("average_eval_loss", "p2ptrain_average_eval_loss",
+     "last held-out loss of the weights' average that checkpoints carry (train.ema)"),
     ("term", "p2ptrain_term", "election term this node follows"),
     ("consensus_distance", "p2ptrain_consensus_distance",
      "RMS distance to the last averaging partner"),

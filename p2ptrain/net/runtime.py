@@ -111,7 +111,7 @@ class Runtime:
                    upload_bytes=self.bucket.sent, total_samples=self.learner.total_samples,
                    runtime={**self.stats, **(self.outbox.stats if self.node else {})},
                    sent_by_kind=self.outbox.sent.document() if self.node else {},
-                   steps=self.steps.stats())
+                   steps=self.steps.stats(), average_eval_loss=self.steps.average_eval)
         if self.phase != "running":
             doc["phase"] = self.phase
         return doc
@@ -216,9 +216,11 @@ class Runtime:
         learner, now = self.learner, self.now()
         if eval_loss is not None:
             self.handle(proto.Evaluated(eval_loss))
-            self.reporter.info(f"held-out loss {eval_loss:.3f} at step {learner.step} "
+            average = self.steps.average_eval  # train.ema: what checkpoints carry
+            also = "" if average is None else f"; the average in checkpoints {average:.3f}"
+            self.reporter.info(f"held-out loss {eval_loss:.3f}{also} at step {learner.step} "
                                f"({now:.0f}s)", event="eval", step=learner.step,
-                               eval_loss=eval_loss, elapsed_s=now)
+                               eval_loss=eval_loss, average_eval_loss=average, elapsed_s=now)
         bound = self.plan.stop_reason(now, learner.step)
         if bound:
             self.request_stop(bound)
@@ -328,7 +330,7 @@ class Runtime:
             seeds = net.seeds()
             host, addr = advertised_address(net.advertise, net.bind, port, seeds)
             self.me = member_info(self.learner, self.hw, addr, self.settings.host.priority,
-                                  self.outbound_only)
+                                  self.outbound_only, self.settings.gossip)
             self.outbox = Outbox.open(self.signer, self.bucket, self.on_frames, reporter,
                                       self.settings.node, net.refused_seconds, self.request_stop)
             self.fetcher = JoinFetcher(self.outbox.session, self.signer, self.state_dir,

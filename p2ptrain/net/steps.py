@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
 class Stepper:
     """Runs one training step at a time in `executor`; `done(step, loss, eval_loss)` gets
-    its result on the loop, `failed(exc)` a step that raised."""
+    its result on the loop, `failed(exc)` a step that raised. With `train.ema` a step that
+    evaluates also evaluates the average of the weights (what checkpoints carry):
+    `average_eval` is its last held-out loss."""
 
     def __init__(self, learner: Learner, executor: Executor, plan: Housekeeping,
                  now: Callable[[], float], done: Callable[[int, float, float | None], None],
@@ -34,6 +36,7 @@ class Stepper:
         self.parked: int | None = None  # a step held back (joining, stopping)
         self.counts = [0] * len(STEP_BUCKETS)  # steps whose compute time fell in each bucket
         self.count, self.seconds, self.tokens = 0, 0.0, 0  # steps, their time and tokens
+        self.average_eval: float | None = None  # train.ema: the average's held-out loss
 
     def start(self, step: int, hold: bool) -> None:
         """Run step `step` now, or park it when `hold`."""
@@ -52,11 +55,13 @@ class Stepper:
             step, self.parked = self.parked, None
             self.start(step, hold=False)
 
-    def _compute(self, evaluate: bool) -> tuple[float, float | None]:
+    def _compute(self, evaluate: bool) -> tuple[float, float | None, float | None]:
         started = time.perf_counter()
         loss = self.learner.compute_gradient()
         self._record(time.perf_counter() - started)
-        return loss, (self.learner.evaluate() if evaluate else None)
+        if not evaluate:
+            return loss, None, None
+        return loss, self.learner.evaluate(), self.learner.evaluate_average()
 
     def _record(self, seconds: float) -> None:
         i = bisect.bisect_left(STEP_BUCKETS, seconds)
@@ -78,10 +83,11 @@ class Stepper:
     def _finished(self, step: int, future: asyncio.Future) -> None:
         self.future = None
         try:
-            loss, eval_loss = future.result()
+            loss, eval_loss, average_eval = future.result()
         except Exception as exc:  # a bug or out of memory: the driver stops
             self.failed(exc)
             return
         if eval_loss is not None:
             self.plan.evaluated(self.now())
+            self.average_eval = average_eval
         self.done(step, float(loss), eval_loss)

@@ -340,7 +340,8 @@ class Hostile:
         await runner.setup()
         port = await listen(runner, "127.0.0.1", self.port)
         addr = f"127.0.0.1:{port}"
-        me = member_info(self.learner, self.hw, addr, self.settings.host.priority, False)
+        me = member_info(self.learner, self.hw, addr, self.settings.host.priority, False,
+                         self.settings.gossip)
         self.ctl = Control(self.settings.proto(), me, incarnation=self.identity.incarnation,
                            now=self.now(), rng=random.Random(self.rng.getrandbits(64)))
         self.outbox = Outbox.open(signer, bucket, self.on_frames, self.reporter,

@@ -92,6 +92,16 @@ class AveragingPlan:
             return self.n_blocks
         return min(self.n_blocks, max(1, round(fraction * self.n_blocks)))
 
+    def wire_shape(self) -> str:
+        """What two members must agree on for their exchanges to match (the layout aside):
+        a configuration fingerprint field. Members whose plans differ would send parts the
+        other refuses as the wrong length, and count as offenders, so they are refused as
+        members instead, with this field named."""
+        share = "all" if self.fraction >= 1.0 else repr(self.fraction)
+        if self.slow_fraction is not None:
+            share += f"/{self.slow_fraction!r}"
+        return f"{self.values} {share} runs {self.block} part {self.part_size}"
+
     @property
     def covers_all(self) -> bool:
         """Whether every exchange covers every coordinate."""
