@@ -64,11 +64,19 @@ class TrainConfig:
                                         minimum=0.01)
     ema: float = option(0.0, "keep an exponential moving average of the weights, each step "
                         "weighing 1 - ema (0.99: about the last 100 steps), and put it in "
-                        "checkpoints instead of the weights; 0: off. 4 B/param more",
-                        minimum=0)
+                        "checkpoints instead of the weights; 0: off. 4 B per trained "
+                        "parameter more; unset, 0.99 in LoRA mode (train.mode = lora) and "
+                        "off in full training", minimum=0)
     mode: str = option("full", "full: every weight trains; lora: low-rank adapters on a "
                        "frozen 16-bit base ([lora]), only they travel", flag="--mode",
                        choices=("full", "lora"))
+
+
+# `train.ema` when unset in LoRA mode (BENCHMARKS §16, 2026-12-03): in the seed-1b-lora
+# scenario the checkpoints reached the target 1.1-1.3x sooner and ended 1.8-2.7% lower, for
+# 4 B per adapter parameter (51 MB at seed-1b's 12.8M). Full training leaves it off: 4 B/param
+# on the ~17 B/param plan of a big model on a Pi (§14) is too much to spend unasked.
+LORA_EMA = 0.99
 
 
 def ema_decay(ema: float, steps: int) -> float:

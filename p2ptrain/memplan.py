@@ -163,12 +163,15 @@ OS_RESERVE = 0.6 * 2**30  # what `hw` leaves the operating system (a Pi's OS and
 
 def largest_here(memory_bytes: float) -> dict:
     """What `p2ptrain hw` reports: the largest rwkv (this module's family) this machine can
-    train in full at batch 1, alone and as a networked node, with OS_RESERVE left over."""
+    train at batch 1 -- in full alone and as a networked node, and in LoRA mode (r16, with
+    the average of the adapters that mode keeps by default: learner.LORA_EMA) -- with
+    OS_RESERVE left over."""
     budget = max(0.0, memory_bytes - OS_RESERVE)
     out: dict = {"memory_budget_bytes": int(budget)}
     for key, networked, rank in (("alone", False, 0), ("networked", True, 0),
                                  ("lora", True, 16)):
-        found = largest_trainable(budget, networked=networked, lora_rank=rank)
+        found = largest_trainable(budget, networked=networked, lora_rank=rank,
+                                  ema=rank > 0)
         out[key] = None if found is None else {
             "params": found[0], "n_layer": found[1].n_layer, "n_embd": found[1].n_embd}
     return out

@@ -127,6 +127,25 @@ def test_with_ema_a_resume_from_our_own_checkpoint_continues_exactly(tmp_path):
     np.testing.assert_array_equal(resumed.average, straight.average)
 
 
+def test_lora_mode_averages_the_weights_unless_told_otherwise(tmp_path):
+    """Unset, train.ema is 0.99 in LoRA mode and off in full training; any source that sets
+    it wins, 0 included, and `config show` says where it came from."""
+    from p2ptrain.learner import LORA_EMA
+
+    lora = resolve(None, {}, {"train.mode": "lora"})
+    assert lora.values["train.ema"] == LORA_EMA == 0.99
+    assert lora.sources["train.ema"] == "default in LoRA mode"
+    assert resolve(None, {}, {}).values["train.ema"] == 0.0
+    assert resolve(None, {"P2PTRAIN_TRAIN_EMA": "0"},
+                   {"train.mode": "lora"}).values["train.ema"] == 0.0
+    toml = tmp_path / "c.toml"
+    toml.write_text('[train]\nmode = "lora"\nema = 0.95\n')
+    assert resolve(str(toml), {}, {}).values["train.ema"] == 0.95
+    # a joiner adopting a LoRA swarm's configuration takes the swarm's value, whatever it is
+    adopted = resolve(None, {}, {}, adopted={"train.mode": "lora", "train.ema": 0.0})
+    assert adopted.values["train.ema"] == 0.0
+
+
 def test_ema_must_be_below_one():
     assert settings_of(resolve(None, {}, {"train.ema": 0.99})).train.ema == 0.99
     for bad in (1.0, 1.5):
