@@ -228,7 +228,8 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         lows = [loss for r in results["methods"] for _, loss, *_ in r["curve"] if loss]
         ax.set_ylim(min(lows + [target]) - 0.1, target + 1.0)  # the race near the target
     ax.set_xlabel("simulated seconds")
-    ax.set_ylabel("held-out loss, nats/char (gossip: the leader's replica)")
+    ax.set_ylabel("held-out loss, nats/char, of what checkpoints carry\n(gossip: the "
+                  "leader's; with train.ema the average of the weights)")
     ax.set_title(f"{name}: loss vs simulated time")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))

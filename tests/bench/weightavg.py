@@ -12,8 +12,9 @@ evaluated at every evaluation with the same held-out windows. It prints, per run
 the scenario's target and the final held-out loss of: the server's weights and their
 average; the gossip leader's replica (the scenario's deliverable) and its average; the plain
 mean of the `--tier` machines' replicas (the servers, by default), and of their averages.
-Nothing in p2ptrain keeps such an average today; this measures what one would be worth.
-Nothing is written.
+p2ptrain keeps such an average with `train.ema` (on by default in LoRA mode); this bench
+keeps its own beside an unchanged run, so one run shows both, and mixes of them p2ptrain
+does not make. Run it on a scenario without `[train] ema`. Nothing is written.
 """
 
 from __future__ import annotations
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], Curves]:
     if not seeds or not args.duration > 0 or not args.eval_every > 0:
         parser.error("give at least one seed, a duration > 0 and an evaluation period > 0")
     scenario = load(args.scenario).replace(duration=args.duration, eval_every=args.eval_every)
+    if scenario.train.get("ema"):
+        parser.error(f"{args.scenario} sets [train] ema: its runs' weights are averaged "
+                     "already; give a scenario without it (seed-1b-lora, not seed-1b-lora-ema)")
     tier = set(filter(None, args.tier.split(",")))
     out = {}
     for name, shown in ((SOLO, ("weights", "average")),
