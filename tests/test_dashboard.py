@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from p2ptrain.net.dashboard import PAGE
-from tests.swarmlab import SwarmLab, free_ports, get_json, wait_for
+from tests.swarmlab import SMALL_SWARM_TOML, SwarmLab, free_ports, get_json, wait_for
 
 SVG_NAMESPACE = "http://www.w3.org/2000/svg"
 
@@ -97,7 +97,9 @@ class Page(HTMLParser):
 @pytest.mark.processes
 def test_the_dashboard_of_a_live_swarm_in_a_browser(tmp_path):
     chromium()  # skip (or fail in CI) before starting anything
-    with SwarmLab(tmp_path / "lab") as lab:
+    # with train.ema: the loss chart also draws what checkpoints carry
+    with SwarmLab(tmp_path / "lab", SMALL_SWARM_TOML.replace("[train]\n",
+                                                            "[train]\nema = 0.99\n")) as lab:
         ports = free_ports(2)
         a = lab.start("a", ports[0], [])
         b = lab.start("b", ports[1], [a.addr])
@@ -111,6 +113,11 @@ def test_the_dashboard_of_a_live_swarm_in_a_browser(tmp_path):
         first = Page(browse(url, tmp_path / "profile", "--dump-dom"))
         assert first.points[("loss-chart", "training")] > 0, first.points
         assert first.points[("net-chart", "down")] > 0
+        wait_for("an evaluation of the average", lambda: len([
+            p for p in get_json(a.addr, "/v1/history")["points"]
+            if p.get("average_eval_loss") is not None]) >= 2, 60)
+        averaged = Page(browse(url, tmp_path / "profile", "--dump-dom"))
+        assert averaged.points[("loss-chart", "checkpoints (average)")] >= 2, averaged.points
         assert set(first.rows) == set(ids), first.rows
         mine = first.rows[ids[0]]
         assert int(mine["step"]) > 10 and re.fullmatch(r"\d+\.\d{3}", mine["loss"]), mine

@@ -16,8 +16,8 @@ from collections import deque
 from typing import Any
 
 # what a point keeps of the status document (cumulative counters and the latest losses)
-POINT_KEYS = ("step", "loss", "eval_loss", "samples", "swarm_samples", "bytes_in",
-              "bytes_out", "upload_bytes")
+POINT_KEYS = ("step", "loss", "eval_loss", "average_eval_loss", "samples", "swarm_samples",
+              "bytes_in", "bytes_out", "upload_bytes")
 # the per-second rates a point carries in the history document: name -> counter it derives from
 RATE_OF = {"in_per_s": "bytes_in", "out_per_s": "upload_bytes",
            "samples_per_s": "swarm_samples"}
