@@ -29,15 +29,19 @@ def info(gossip: GossipConfig, node_id: str = "a" * 32, train: TrainConfig | Non
 
 
 def test_the_wire_shape_names_what_an_exchange_is_made_of():
-    n = 1_000_000
+    n = 10_000_000
     assert AveragingPlan.from_mode(n, "int8").wire_shape() == "int8 all runs 256 part 2097152"
-    assert AveragingPlan.from_mode(n, "subset_fp16", 0.1, 1 << 20).wire_shape() == \
-        "fp16 0.1 runs 256 part 1048576"
+    assert AveragingPlan.from_mode(n, "subset_fp16", 0.2, 1 << 20).wire_shape() == \
+        "fp16 0.2 runs 256 part 1048576"
     assert AveragingPlan.from_mode(n, "subset_int8", 0.093, slow_fraction=0.0085
-                                   ).wire_shape() == "int8 0.093/0.0085 runs 256 part 2097152"
+                                   ).wire_shape() == "int8 0.093/0.0085 runs 256 part whole"
     # a part is rounded up to whole runs, as it travels
     assert AveragingPlan.from_mode(n, "full", part=1000).wire_shape() == \
         "fp32 all runs 256 part 1024"
+    # parts as long as the widest exchange or longer all travel as one: they match
+    assert AveragingPlan.from_mode(n, "full", part=n).wire_shape() == \
+        AveragingPlan.from_mode(n, "full", part=2 * n).wire_shape() == \
+        "fp32 all runs 256 part whole"
 
 
 @pytest.mark.parametrize("theirs", [
@@ -45,13 +49,24 @@ def test_the_wire_shape_names_what_an_exchange_is_made_of():
     GossipConfig(subset_fraction_slow=0.01),
     GossipConfig(averaging="subset_fp16"),
     GossipConfig(averaging="int8"),
-    GossipConfig(average_part=1 << 20),
 ])
 def test_members_whose_exchanges_would_not_match_differ_in_averaging_alone(theirs):
     mine = info(GossipConfig())
     other = info(theirs, "b" * 32)
     assert mine.fingerprint != other.fingerprint
     assert differing_keys(mine.fingerprint_fields, other.fingerprint_fields) == ["averaging"]
+
+
+def test_a_part_size_counts_where_it_splits_an_exchange():
+    """The test model's exchanges are shorter than a part: any part size as long matches;
+    one that splits them does not."""
+    n = MODEL.space.n_params
+    mine = info(GossipConfig(averaging="full"))
+    assert info(GossipConfig(averaging="full", average_part=8 * n)).fingerprint == \
+        mine.fingerprint
+    split = info(GossipConfig(averaging="full", average_part=1024), "b" * 32)
+    assert n > 1024 and split.fingerprint != mine.fingerprint
+    assert differing_keys(mine.fingerprint_fields, split.fingerprint_fields) == ["averaging"]
 
 
 def test_settings_that_leave_the_exchange_alone_keep_the_fingerprint():

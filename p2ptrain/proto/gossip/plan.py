@@ -100,7 +100,9 @@ class AveragingPlan:
         share = "all" if self.fraction >= 1.0 else repr(self.fraction)
         if self.slow_fraction is not None:
             share += f"/{self.slow_fraction!r}"
-        return f"{self.values} {share} runs {self.block} part {self.part_size}"
+        # a part as long as the widest exchange or longer: every exchange is one part
+        part = "whole" if self.part_size >= self.capacity else str(self.part_size)
+        return f"{self.values} {share} runs {self.block} part {part}"
 
     @property
     def covers_all(self) -> bool:
