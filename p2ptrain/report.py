@@ -98,6 +98,15 @@ class Reporter:
         """A problem that ends the run (the CLI's own errors print the same way)."""
         self._emit(logging.ERROR, event, text, fields, prefix="p2ptrain: error: ")
 
+    def evaluated(self, step: int, eval_loss: float, average: float | None,
+                  elapsed: float) -> None:
+        """A held-out evaluation: the weights' loss, and with `train.ema` the average's (what
+        checkpoints carry)."""
+        also = "" if average is None else f"; the average in checkpoints {average:.3f}"
+        self._emit(logging.INFO, "eval", f"held-out loss {eval_loss:.3f}{also} at step {step} "
+                   f"({elapsed:.0f}s)", {"step": step, "eval_loss": eval_loss,
+                                         "average_eval_loss": average, "elapsed_s": elapsed})
+
     def progress(self, step: int, loss: float, eval_loss: float | None, tokens_per_s: float,
                  samples: int, swarm_samples: int, total_samples: int, lr: float,
                  checkpoint_age: float | None) -> None:

@@ -70,10 +70,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
         loss = learner.evaluate()
         average = learner.evaluate_average()  # train.ema: what the checkpoints carry
         plan.evaluated(time.monotonic())
-        also = "" if average is None else f"; the average in checkpoints {average:.3f}"
-        reporter.info(f"held-out loss {loss:.3f}{also} at step {learner.step} "
-                      f"({now - start:.0f}s)", event="eval", step=learner.step, eval_loss=loss,
-                      average_eval_loss=average, elapsed_s=now - start)
+        reporter.evaluated(learner.step, loss, average, now - start)
         return loss
 
     reason = "stopped"

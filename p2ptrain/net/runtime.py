@@ -216,11 +216,7 @@ class Runtime:
         learner, now = self.learner, self.now()
         if eval_loss is not None:
             self.handle(proto.Evaluated(eval_loss))
-            average = self.steps.average_eval  # train.ema: what checkpoints carry
-            also = "" if average is None else f"; the average in checkpoints {average:.3f}"
-            self.reporter.info(f"held-out loss {eval_loss:.3f}{also} at step {learner.step} "
-                               f"({now:.0f}s)", event="eval", step=learner.step,
-                               eval_loss=eval_loss, average_eval_loss=average, elapsed_s=now)
+            self.reporter.evaluated(learner.step, eval_loss, self.steps.average_eval, now)
         bound = self.plan.stop_reason(now, learner.step)
         if bound:
             self.request_stop(bound)
