@@ -22,7 +22,7 @@ from typing import Any
 from p2ptrain.learner import LORA_EMA
 from p2ptrain.models import MODELS, presets
 from p2ptrain.options import option_meta
-from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.config import LORA_AVERAGE_EVERY_FAST, GossipConfig
 from p2ptrain.proto.node import NodeConfig
 from p2ptrain.settings import (
     SECTIONS,
@@ -248,8 +248,11 @@ def resolve(config_file: str | None, env: Mapping[str, str], flags: Mapping[str,
         sources[key] = f"flag {option.flag}"
     if not 0.0 < values["data.holdout_fraction"] < 1.0:
         raise ConfigError("data.holdout_fraction must lie strictly between 0 and 1")
-    if sources["train.ema"] == "default" and values["train.mode"] == "lora":
-        values["train.ema"], sources["train.ema"] = LORA_EMA, "default in LoRA mode"
+    if values["train.mode"] == "lora":  # LoRA mode's own defaults, where unset
+        for key, value in (("train.ema", LORA_EMA),
+                           ("gossip.average_every_fast", LORA_AVERAGE_EVERY_FAST)):
+            if sources[key] == "default":
+                values[key], sources[key] = value, "default in LoRA mode"
     if not values["train.ema"] < 1.0:
         raise ConfigError("train.ema must be below 1 (0.99 averages about the last 100 steps; "
                           "0 is off)")

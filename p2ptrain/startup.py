@@ -169,8 +169,11 @@ def averaging_text(settings: Settings, model: Model) -> str:
     why = (f" (auto: {per:,.0f} FLOPs per sample and travelling coordinate, "
            f"{'at least' if plan.fraction >= 1.0 else 'under'} {AUTO_FULL_FLOPS:,.0f})"
            if gossip.averaging == AUTO else "")
+    fast = gossip.average_every_fast
+    also = ("" if not fast else f", and with one of the swarm's fastest every {fast} "
+            f"step{'s' if fast > 1 else ''} while this node is one of them")
     return (f"parameter averaging: {covers} in {plan.values} with one peer every "
-            f"{gossip.average_every} steps{why}")
+            f"{gossip.average_every} steps{also}{why}")
 
 
 def model_for(settings: Settings, corpus: Corpus, reporter: Reporter | None = None

@@ -1,7 +1,7 @@
-"""Subset exchanges by pair (`gossip.subset_fraction_slow`): two of the swarm's fastest
-members average `subset_fraction` of the coordinates, any other pair the slow share; the
-initiator marks the seed, the responder follows it. Two trainers wired in memory, virtual
-time, rates given."""
+"""Exchanges by pair: two of the swarm's fastest members average `subset_fraction` of the
+coordinates, any other pair the slow share (`gossip.subset_fraction_slow`; the initiator
+marks the seed, the responder follows it), and they may average among themselves more often
+(`gossip.average_every_fast`). Trainers wired in memory, virtual time, rates given."""
 
 from __future__ import annotations
 
@@ -57,3 +57,39 @@ def test_two_fast_members_average_the_wide_share_and_a_slow_partner_the_narrow_o
     blind = trainer(A, **TIERED)  # no rates observed at all: the narrow share
     [request] = take_step(blind, 0.0)
     assert not blind.exchange.seed & FAST_PAIR
+
+
+
+def opened_over(t, steps: int, partners) -> list[str | None]:
+    """Whom `t` opens an exchange with after each of `steps` steps (None: nobody); each is
+    forgotten at once, as if answered, so the next may open."""
+    opened = []
+    for i in range(steps):
+        out = take_step(t, float(i), partners)
+        opened.append(out[0].to if out else None)
+        if t.exchange is not None:
+            t.exchange = None
+            t.initiator.abort()
+    return opened
+
+
+def test_the_fastest_average_among_themselves_between_the_exchanges_with_anyone():
+    """`average_every_fast = 1` beside `average_every = 5`: a fast member opens an exchange
+    after every step, with another fast member unless the every-5 one is due (any partner
+    then); a slow member keeps to every 5; without rates nothing is fast."""
+    partners = ((B, "10.0.0.2:7100"), (C, "10.0.0.3:7100"))
+    fast = trainer(A, average_every=5, average_every_fast=1)
+    fast.rate_of = RATES.get
+    opened = opened_over(fast, 20, partners)
+    assert None not in opened
+    assert {to for i, to in enumerate(opened) if (i + 1) % 5} == {B}  # C is slow
+    slow = trainer(C, average_every=5, average_every_fast=1)
+    slow.rate_of = RATES.get
+    others = ((A, "10.0.0.1:7100"), (B, "10.0.0.2:7100"))
+    assert [to is not None for to in opened_over(slow, 10, others)] == [False] * 4 + [True] \
+        + [False] * 4 + [True]
+    blind = trainer(A, average_every=5, average_every_fast=1)  # no rates observed
+    assert [to is not None for to in opened_over(blind, 5, partners)] == [False] * 4 + [True]
+    off = trainer(A, average_every=5)
+    off.rate_of = RATES.get
+    assert [to is not None for to in opened_over(off, 5, partners)] == [False] * 4 + [True]

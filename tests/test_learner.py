@@ -128,14 +128,21 @@ def test_with_ema_a_resume_from_our_own_checkpoint_continues_exactly(tmp_path):
 
 
 def test_lora_mode_averages_the_weights_unless_told_otherwise(tmp_path):
-    """Unset, train.ema is 0.99 in LoRA mode and off in full training; any source that sets
-    it wins, 0 included, and `config show` says where it came from."""
+    """Unset, train.ema is 0.99 in LoRA mode and off in full training (and
+    gossip.average_every_fast 1 and off); any source that sets it wins, 0 included, and
+    `config show` says where it came from."""
     from p2ptrain.learner import LORA_EMA
 
     lora = resolve(None, {}, {"train.mode": "lora"})
     assert lora.values["train.ema"] == LORA_EMA == 0.99
     assert lora.sources["train.ema"] == "default in LoRA mode"
     assert resolve(None, {}, {}).values["train.ema"] == 0.0
+    # so do the fastest members' extra exchanges (gossip.average_every_fast)
+    assert lora.values["gossip.average_every_fast"] == 1
+    assert lora.sources["gossip.average_every_fast"] == "default in LoRA mode"
+    assert resolve(None, {}, {}).values["gossip.average_every_fast"] == 0
+    assert resolve(None, {"P2PTRAIN_GOSSIP_AVERAGE_EVERY_FAST": "0"},
+                   {"train.mode": "lora"}).values["gossip.average_every_fast"] == 0
     assert resolve(None, {"P2PTRAIN_TRAIN_EMA": "0"},
                    {"train.mode": "lora"}).values["train.ema"] == 0.0
     toml = tmp_path / "c.toml"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,6 +213,16 @@ def fast_pair(mine: float | None, theirs: float | None, others: Iterable[float |
     known = [mine, theirs, *(r for r in others if r is not None and r > 0)]
     top = min(max(known), RATE_BIAS_CAP * upper_quartile(known))
     return min(mine, theirs) >= share * top
+
+
+def fast_partners(me: str, partners: Sequence[tuple[str, str]],
+                  rate_of: Callable[[str], float | None]) -> list[tuple[str, str]]:
+    """The (id, addr) of `partners` that make a `fast_pair` with `me`: none unless `me` is
+    one of the fastest itself."""
+    rates = {p: rate_of(p) for p, _ in partners}
+    mine = rate_of(me)
+    return [(p, a) for p, a in partners
+            if fast_pair(mine, rates[p], (r for q, r in rates.items() if q != p))]
 
 
 def upper_quartile(values: Sequence[float]) -> float:

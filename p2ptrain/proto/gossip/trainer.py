@@ -67,7 +67,7 @@ from p2ptrain.proto.gossip.messages import (
 )
 from p2ptrain.proto.gossip.mixer import GradientMixer, MixReport, gradient_encoder
 from p2ptrain.proto.gossip.outer import OuterOptimizer
-from p2ptrain.proto.gossip.peers import PeerTable, fast_pair
+from p2ptrain.proto.gossip.peers import PeerTable, fast_pair, fast_partners
 from p2ptrain.proto.gossip.plan import FAST_PAIR
 from p2ptrain.proto.messages import Body, Out
 
@@ -329,12 +329,25 @@ class GossipTrainer:
         report = self.mixer.mix(learner.grad, float(learner.batch), swarm)
         self.last_mix = report
         learner.apply_gradient(learner.grad, loss)
-        if self.next_part is not None:  # an exchange's part that waited for this boundary
+        self._average_if_due(now, partners, out)
+        return report
+
+    def _average_if_due(self, now: float, partners: Sequence[tuple[str, str]],
+                        out: list[Out]) -> None:
+        """After a step: an exchange's part that waited for this boundary, else an averaging
+        exchange if one is due -- with any partner every `average_every` steps, with one of
+        the swarm's fastest every `average_every_fast` when this node is one of them."""
+        if self.next_part is not None:
             nxt, self.next_part = self.next_part, None
             self._send_part(now, *nxt, out)
-        elif cfg.averaging_due(learner.step) and self.exchange is None and partners:
+        elif self.exchange is not None or not partners:
+            return
+        elif self.config.averaging_due(self.learner.step):
             self._begin_average(now, partners, out)
-        return report
+        elif self.config.fast_averaging_due(self.learner.step) and self.rate_of is not None:
+            fast = fast_partners(self.node_id, partners, self.rate_of)
+            if fast:
+                self._begin_average(now, fast, out)
 
     def _begin_average(self, now: float, partners: Sequence[tuple[str, str]],
                        out: list[Out]) -> None:
@@ -404,11 +417,7 @@ class GossipTrainer:
             outer.apply(learner.params, learner.grad)
             self.stats["outer_steps"] += 1
         self.last_mix = report
-        if self.next_part is not None:
-            nxt, self.next_part = self.next_part, None
-            self._send_part(now, *nxt, out)
-        elif self.config.averaging_due(learner.step) and self.exchange is None and partners:
-            self._begin_average(now, partners, out)
+        self._average_if_due(now, partners, out)
         return report
 
     # -- timers -------------------------------------------------------------------------------
