@@ -93,3 +93,6 @@ def test_the_fastest_average_among_themselves_between_the_exchanges_with_anyone(
     off = trainer(A, average_every=5)
     off.rate_of = RATES.get
     assert [to is not None for to in opened_over(off, 5, partners)] == [False] * 4 + [True]
+    never = trainer(A, average_every=0, average_every_fast=1)  # averaging off: all of it
+    never.rate_of = RATES.get
+    assert opened_over(never, 5, partners) == [None] * 5

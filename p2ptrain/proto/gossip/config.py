@@ -67,8 +67,9 @@ class GossipConfig:
     average_every_fast: int = option(
         0, "local steps between parameter averagings with one of the swarm's fastest members "
         "(a sample rate at least half the fastest observed), besides average_every's with "
-        "any: on a node that is one of them (replicas of the fastest kept close); 0: off. "
-        "Unset: 1 in LoRA mode, off in full training", minimum=0)
+        "any: on a node that is one of them (replicas of the fastest kept close); 0: off, "
+        "as it is while average_every is 0. Unset: 1 in LoRA mode, off in full training",
+        minimum=0)
     averaging: str = option(AUTO, "averaging exchange: all coordinates or a seeded subset, "
                             "in fp32, fp16 or int8 (a scale per 256 values); auto: all "
                             "coordinates in int8 (`int8`) when the model computes at least "
@@ -242,9 +243,10 @@ class GossipConfig:
         return self.average_every > 0 and step > 0 and step % self.average_every == 0
 
     def fast_averaging_due(self, step: int) -> bool:
-        """True after local step `step` if an averaging with one of the fastest is due."""
+        """True after local step `step` if an averaging with one of the fastest is due
+        (never while averaging is off: `average_every = 0`)."""
         every = self.average_every_fast
-        return every > 0 and step > 0 and step % every == 0
+        return self.average_every > 0 and every > 0 and step > 0 and step % every == 0
 
     def distance_guard(self) -> DistanceGuard:
         """A fresh guard on averaging snapshots with these bounds."""
