@@ -314,15 +314,11 @@ class Learner:
                 self.opt.reset()
                 raise
             self.outer_saved = None if outer is None else {"meta": meta[OUTER], "arrays": outer}
-        if live is None:
-            np.copyto(self.params, staged)
-            self.restart_average()
-        else:
-            np.copyto(self.params, live)
+        np.copyto(self.params, staged if live is None else live)
+        self.restart_average()
+        if live is not None and self.ema > 0:  # our own average goes on
             np.copyto(live, staged)
-            self.restart_average()
-            if self.ema > 0:  # our own average goes on
-                self.average, self.averaged = live, ema_steps
+            self.average, self.averaged = live, ema_steps
         staged.fill(0.0)
         if with_count:
             self.count.merge(count.as_dict())  # merged: what this node knew is never lost
