@@ -369,3 +369,58 @@ def test_the_judged_leader_cannot_set_the_swarm_loss_its_checkpoint_is_judged_by
         c.run_for(0.05)
     assert heard[lead_id][1] == 9.0  # the leader's reports are still the highest
     assert node.join.reference is not None and node.join.reference < 9.0, heard
+
+
+def test_a_swarm_that_starts_together_trains_while_it_elects_a_leader():
+    """Fresh nodes that hear peers but no leader (a swarm starting together waits a lease
+    before anyone claims) take steps alone meanwhile -- no averaging, no pushes -- and keep
+    them when the join ends without a checkpoint to adopt."""
+    c = TrainingCluster(3, 11, lambda i, node_id: learner(node_id), node_config=JOINING,
+                        step_seconds=0.1)
+    nodes = [c.training_node(i) for i in range(3)]
+    while not c.leaders():
+        assert c.now < 10.0, "no leader was elected"
+        c.run_for(0.05)
+        for node in nodes:
+            if not node.join.done:
+                assert node.trainer.stats["average_started"] == 0
+                assert node.learner.count.total == node.learner.samples  # its own alone
+    assert all(node.learner.step > 0 and node.join_steps > 0 for node in nodes)
+    before = [node.learner.step for node in nodes]
+    while not all(node.join.done for node in nodes):
+        assert c.now < 20.0
+        c.run_for(0.05)
+    c.run_for(2.0)
+    for node, steps in zip(nodes, before, strict=True):
+        assert node.learner.step > steps  # kept, and training goes on from there
+        assert node.status()["join"]["steps"] == node.join_steps > 0
+    assert sum(node.trainer.stats["average_started"] for node in nodes) > 0
+
+
+def test_a_checkpoint_fetched_during_a_step_taken_while_joining_is_adopted_after_it():
+    """The leader elected in a swarm that trained while electing it holds a checkpoint (of an
+    earlier run, say): its followers' fetches land while their steps run; each is taken up at
+    the step's end -- the driver loads weights only between steps -- and the steps taken
+    alone go with the weights (the optimiser's moments start again)."""
+    c = TrainingCluster(3, 12, lambda i, node_id: learner(node_id), node_config=JOINING,
+                        step_seconds=0.5)
+    earlier = learner("earlier").params + np.float32(0.01)
+    for i in range(3):  # whoever is elected serves this one
+        c.stored[f"ckpt/{i}/0/1"] = (i, earlier.copy(), {c.nodes[i].info.node_id: 5_000})
+    nodes = [c.training_node(i) for i in range(3)]
+    held = set()
+    while not all(node.join.done for node in nodes):
+        assert c.now < 20.0, [node.join.state for node in nodes]
+        c.run_for(0.01)
+        for i, node in enumerate(nodes):
+            if node._fetched_late is not None:
+                assert node.outstanding is not None and node.join.state == "fetching"
+                held.add(i)
+    followers = [i for i in range(3) if not nodes[i].is_leader]
+    assert held and held <= set(followers)
+    for i in held:
+        node = nodes[i]
+        assert node.join.reason.startswith("weights from the leader's checkpoint")
+        assert node.join_steps > 0
+        assert node.learner.opt.t <= 1  # reset at the adoption (one step since, at most)
+        assert node.learner.count.total > node.learner.samples  # the leader's entry merged

@@ -204,6 +204,8 @@ class Runtime:
 
     def _joined(self, why: str) -> None:
         self.fetcher.clean()  # partial downloads, older fetched checkpoints
+        alone = self.node.join_steps if self.node is not None else 0
+        why += f"; {alone} steps taken alone while no leader was known" if alone else ""
         self.reporter.info(f"training starts at step {self.learner.step}: {why}",
                            event="training_starts", reason=why)
 

@@ -1,6 +1,7 @@
 """Joining: before its first step a node adopts the swarm's latest checkpoint when it is newer
 than its own replica (DESIGN.md, Checkpoints: "A joining node fetches the leader's latest
-before it trains").
+before it trains") -- but for fresh weights in a swarm with no leader yet, which train alone
+while the join waits (node.py, `_trains_while_joining`).
 
     waiting  --leader known (not us)-->  fetching  --CheckpointFetched-->  done
        |  \\--we lead / join_timeout-->  done          | failed, retry

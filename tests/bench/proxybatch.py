@@ -102,12 +102,13 @@ def steps_averaged(training: Training, replicas: int, every: int, lr: float, tar
 
 def fleet_time(training: Training, step_seconds: list[float], period: float, mode: str,
                lr: float, target: float, horizon: float, seed: int,
-               batches: list[int] | None = None,
-               check: float = FLEET_CHECK) -> tuple[float | None, float]:
+               batches: list[int] | None = None, check: float = FLEET_CHECK,
+               ema: float = 0.0) -> tuple[float | None, float]:
     """(simulated seconds to the target or None, the last loss) of one replica per entry of
     `step_seconds` (fastest first; `batches`: each one's batch, 1 if not given), mixed every
-    `period` seconds by `mode` ("all" / "pairs"), evaluated every `check` seconds."""
-    settings = dataclasses.replace(training.settings, lr=lr)
+    `period` seconds by `mode` ("all" / "pairs"), evaluated every `check` seconds; with
+    `ema` (`train.ema`) what is evaluated is the first replica's average of its weights."""
+    settings = dataclasses.replace(training.settings, lr=lr, ema=ema)
     batches = batches or [1] * len(step_seconds)
     learners = [Learner(training.model, f"f{i + 1}", settings, training.corpus, b, 1, 1)
                 for i, b in enumerate(batches)]
@@ -144,7 +145,7 @@ def fleet_time(training: Training, step_seconds: list[float], period: float, mod
             np.copyto(mean, learners[0].params)
         if now >= next_check:
             next_check += check
-            loss = training.heldout_loss(mean)
+            loss = training.heldout_loss(learners[0].average if ema > 0 else mean)
             if loss <= target:
                 return now, loss
     return None, loss
@@ -173,6 +174,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="fleet runs: simulated seconds between evaluations")
     parser.add_argument("--first", type=int, default=0,
                         help="fleet runs: only the N fastest machines of those chosen (0: all)")
+    parser.add_argument("--ema", type=float, default=0.0,
+                        help="fleet runs: train.ema of every replica; the first replica's "
+                             "average is evaluated (0: off, the mean or its weights)")
     args = parser.parse_args(argv)
     if not (args.check > 0 and args.first >= 0):
         parser.error("--check must be > 0 and --first >= 0")
@@ -197,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
                     for lr in _floats(args.lrs):
                         t0 = time.perf_counter()
                         when, loss = fleet_time(training, times, period, mode, lr, target,
-                                                args.horizon, args.seed, batches, args.check)
+                                                args.horizon, args.seed, batches, args.check,
+                                                args.ema)
                         print(f"fleet {mode:5s} every {period:g} s lr {lr:g} of "
                               f"{len(times)}: {names}: "
                               f"{when if when is None else f'{when:.0f} s'} (last loss "
