@@ -55,3 +55,17 @@ def test_a_finer_evaluation_grid_and_the_fastest_machines_alone(capsys):
         with pytest.raises(SystemExit) as refused:
             proxybatch.main(["--fleet", *bad])
         assert refused.value.code == 2
+
+
+def test_with_train_ema_the_first_replicas_average_is_evaluated():
+    """`--ema`: every replica keeps train.ema's average and the first one's is what is
+    evaluated -- early in training it lags the weights, so its loss is higher."""
+    training = Training(load("seed-1b-lora"))
+    times = [0.5, 0.5, 3.0]
+    plain = proxybatch.fleet_time(training, times, 2.0, "pairs", 4e-3, 0.5, 40.0, 1)
+    averaged = proxybatch.fleet_time(training, times, 2.0, "pairs", 4e-3, 0.5, 40.0, 1,
+                                     ema=0.99)
+    assert plain[0] is None and averaged[0] is None
+    assert averaged[1] > plain[1]
+    assert proxybatch.fleet_time(training, times, 2.0, "pairs", 4e-3, 0.5, 40.0, 1,
+                                 ema=0.99) == averaged
