@@ -187,6 +187,29 @@ def test_a_fresh_node_does_not_adopt_weights_no_better_than_its_own_random_ones(
             assert join.reason.startswith("the leader's checkpoint is no better than fresh")
 
 
+def test_a_node_that_trained_while_joining_keeps_its_replica_unless_clearly_beaten():
+    """A fresh node that took steps while no leader was known judges the leader's checkpoint
+    against the replica it trained: one no better -- an honest leader's checkpoint may be
+    older than those steps -- is not adopted and no one is named; a clearly better one is
+    adopted; weights that are not finite are refused and their leader named, as always."""
+    for loss, adopted, named in [(3.198, False, False), (2.45, False, False),
+                                 (2.40, True, False), (float("inf"), False, True)]:
+        join = _join(0.0, 0, 5, 3, 1, 4)
+        join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",))
+        actions = join.fetched(0.5, CheckpointFetched("ck", 900, loss=loss, own_loss=2.483),
+                               trained_alone=True)
+        names = [type(a).__name__ for a in actions]
+        assert join.done and (join.refused == "L") is named, (loss, join.reason)
+        assert names == (["AdoptCheckpoint", "Joined"] if adopted else ["Joined"]), names
+        if not adopted and not named:
+            assert "trained while joining" in join.reason
+        # the same checkpoint judged by a node that did not train meanwhile
+        join = _join(0.0, 0, 5, 3, 1, 4)
+        join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",))
+        join.fetched(0.5, CheckpointFetched("ck", 900, loss=loss, own_loss=2.483))
+        assert "trained while joining" not in join.reason
+
+
 def test_a_joiner_fetches_from_the_leader_and_every_member_holding_the_same_checkpoint():
     """Issue 14: members gossip what they hold; a joiner's FetchCheckpoint names the leader
     first, then each member that holds the leader's checkpoint (here: the one that joined

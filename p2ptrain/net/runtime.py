@@ -204,8 +204,6 @@ class Runtime:
 
     def _joined(self, why: str) -> None:
         self.fetcher.clean()  # partial downloads, older fetched checkpoints
-        alone = self.node.join_steps if self.node is not None else 0
-        why += f"; {alone} steps taken alone while no leader was known" if alone else ""
         self.reporter.info(f"training starts at step {self.learner.step}: {why}",
                            event="training_starts", reason=why)
 
@@ -332,9 +330,9 @@ class Runtime:
             self.outbox = Outbox.open(self.signer, self.bucket, self.on_frames, reporter,
                                       self.settings.node, net.refused_seconds, self.request_stop)
             self.fetcher = JoinFetcher(self.outbox.session, self.signer, self.state_dir,
-                                       self.learner.fingerprint, self.io_pool,
-                                       self.handle, reporter, self.learner.judge_checkpoint,
-                                       self.shelf, self._holders)
+                                       self.learner.fingerprint, self.io_pool, self.handle,
+                                       reporter, self.learner.judge_checkpoint,
+                                       self.steps.idle, self.shelf, self._holders)
             self.node = self._make_node()
             reporter.info(f"node {self.node_id[:12]} listening on {net.bind}:{port}, "
                           f"advertised as {addr}, swarm {self.swarm.name!r} "

@@ -66,6 +66,7 @@ from p2ptrain.proto.events import (
     Event,
     Finished,
     Holds,
+    Joined,
     Leave,
     Offender,
     Progress,
@@ -219,6 +220,10 @@ class Node:
                 self._swarm_loss(self.control.leader),
                 lambda lead: preferred(lead, self._addr_of, held, members()), held.listings)
         self.control.hold_claims(not self.join.done and self.join.attempt > 0)
+        if self.join_steps:  # the start log says what became of the steps taken alone
+            actions[:] = [Joined(f"{a.reason}; {self.join_steps} steps taken alone while no "
+                                 f"leader was known") if type(a) is Joined else a
+                          for a in actions]
         for action in list(actions):
             if (type(action) is RemoteError and action.offence and action.sender
                     and action.sender != self.node_id):
@@ -227,7 +232,8 @@ class Node:
         return actions
 
     def _fetched(self, now: float, event: CheckpointFetched) -> list[Action]:
-        actions = self.join.fetched(now, event, self._swarm_loss(self.join.fetching_from))
+        actions = self.join.fetched(now, event, self._swarm_loss(self.join.fetching_from),
+                                    trained_alone=self.join_steps > 0)
         if self.join.refused and actions:  # the leader's checkpoint was refused just now
             self._offended(now, self.join.refused, self.join.reason, actions)
         if any(type(a) is AdoptCheckpoint for a in actions):
