@@ -1,7 +1,6 @@
 """Joining: before its first step a node adopts the swarm's latest checkpoint when it is newer
 than its own replica (DESIGN.md, Checkpoints: "A joining node fetches the leader's latest
-before it trains") -- but for fresh weights in a swarm with no leader yet, which train alone
-while the join waits (node.py, `_trains_while_joining`).
+before it trains").
 
     waiting  --leader known (not us)-->  fetching  --CheckpointFetched-->  done
        |  \\--we lead / join_timeout-->  done          | failed, retry
@@ -24,10 +23,7 @@ Rules it keeps:
   than them (`FRESH_MARGIN`): weights as good as random by the loss -- a degenerate replica
   that predicts uniformly, which no step moves and no averaging reaches -- are not taken,
   from a hostile leader that reports a high loss of its own or from an honest swarm that has
-  not learned yet (then without naming the leader). Likewise a node that trained while it
-  waited (`trained_alone`: fresh weights in a swarm with no leader yet, node.py) keeps its
-  replica unless the checkpoint is clearly better, without naming the leader: an honest
-  leader's checkpoint of that moment may be older than the steps taken meanwhile.
+  not learned yet (then without naming the leader).
 - The fetch names the leader's address first, then every member that says it holds the same
   checkpoint (holdings.py): the driver pulls chunks from all of them at once. Which
   checkpoint: the leader's that the most members hold (`swarm_choice`), asked for by name, so
@@ -213,21 +209,14 @@ class Join:
             return f"held-out loss {event.loss:.3f} against {ref:.3f}"
         return ""
 
-    def fetched(self, now: float, event: CheckpointFetched, reference: float | None = None,
-                trained_alone: bool = False) -> list[Action]:
+    def fetched(self, now: float, event: CheckpointFetched,
+                reference: float | None = None) -> list[Action]:
         """The driver's answer to our FetchCheckpoint (`reference`: the loss the swarm
         reports now, if known; the one it reported when the fetch began wins -- a big fetch
-        takes minutes, and the swarm's loss falls meanwhile below an honest checkpoint's;
-        `trained_alone`: our replica took steps while the join waited)."""
+        takes minutes, and the swarm's loss falls meanwhile below an honest checkpoint's)."""
         if self.state != FETCHING:
             return []  # a late answer (the join ended meanwhile): nothing to do
         if event.path is not None:
-            if (trained_alone and event.loss is not None and event.own_loss is not None
-                    and event.loss < float("inf")
-                    and not event.loss < event.own_loss - FRESH_MARGIN):
-                return self._finish(f"the leader's checkpoint is no better than the weights "
-                                    f"trained while joining (held-out loss {event.loss:.3f} "
-                                    f"against {event.own_loss:.3f}); keeping them")
             problem = self.unacceptable(event, self.reference if self.reference is not None
                                         else reference)
             if problem:
