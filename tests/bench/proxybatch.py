@@ -145,7 +145,7 @@ def fleet_time(training: Training, step_seconds: list[float], period: float, mod
             np.copyto(mean, learners[0].params)
         if now >= next_check:
             next_check += check
-            loss = training.heldout_loss(learners[0].average if ema > 0 else mean)
+            loss = training.heldout_loss(learners[0].checkpoint_weights if ema > 0 else mean)
             if loss <= target:
                 return now, loss
     return None, loss
