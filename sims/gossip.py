@@ -13,8 +13,9 @@ Each machine runs one `p2ptrain.proto.node.Node`. The driver performs its action
 - `SaveCheckpoint`: the leader's replica and swarm counter are kept as "the latest
   checkpoint"; `FetchCheckpoint` (a joining node, e.g. a machine back from a failure with
   nothing of its own) moves it over the network at its charged size from the source the node
-  names, then answers `CheckpointFetched`; `AdoptCheckpoint` loads it -- the runtime's join
-  path, decided by the same node code;
+  names, then answers `CheckpointFetched` with its held-out loss and the node's own on the
+  judge's windows, as the runtime's join measures them; `AdoptCheckpoint` loads it -- the
+  runtime's join path, decided by the same node code;
 - holdings, as the runtime's shelf reports them (`Holds`), so headers carry the holding
   record a real node's carry: the leader holds what it saved, a joiner what it downloaded
   (adopted or not), and any other machine, every checkpoint interval of its steps, a local
@@ -242,7 +243,11 @@ class GossipSim:
         mach = self.machines[i]
         if mach.node is not None and mach.generation == generation:
             if answer.path is not None:  # on the shelf now, adopted or not: held
-                self.handle(i, Holds(self.fetched_data[answer.path].holding))
+                ckpt = self.fetched_data[answer.path]
+                self.handle(i, Holds(ckpt.holding))
+                learner = mach.node.learner  # judged as the runtime's join judges it
+                answer = dataclasses.replace(answer, loss=learner.evaluate_params(ckpt.params),
+                                             own_loss=learner.evaluate_params(learner.params))
             self.handle(i, answer)
 
     def adopt(self, i: int, action: AdoptCheckpoint) -> None:

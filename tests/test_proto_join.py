@@ -9,7 +9,14 @@ import numpy as np
 
 from p2ptrain.proto import GossipConfig, NodeConfig
 from p2ptrain.proto.events import AdoptCheckpoint, CheckpointFetched, FetchCheckpoint, Joined
-from p2ptrain.proto.joining import LISTING_GRACE, Join, preferred, sources, swarm_choice
+from p2ptrain.proto.joining import (
+    ALONE_HEAD_START,
+    LISTING_GRACE,
+    Join,
+    preferred,
+    sources,
+    swarm_choice,
+)
 from p2ptrain.proto.membership.holdings import Holdings
 from p2ptrain.proto.records import Holding
 from tests.cluster.training import TrainingCluster
@@ -35,15 +42,17 @@ def trained_cluster(n: int = 3, seed: int = 5, until: float = 8.0) -> TrainingCl
 
 
 def test_the_first_nodes_find_no_checkpoint_and_train_without_asking_again():
+    """A swarm that starts together: its nodes train while they elect a leader, and the
+    followers then fetch nothing -- the leader holds no checkpoint yet, or only its own start."""
     c = trained_cluster()
     leader = c.leaders()[0]
     for i in range(3):
         join = c.training_node(i).join
-        assert join.done
+        assert join.done and join.attempt == 0 and c.training_node(i).join_steps > 0
         if i == leader:
-            assert join.reason == "this node leads" and join.attempt == 0
+            assert join.reason.startswith("this node leads")
         else:
-            assert join.attempt == 1 and "no checkpoint" in join.reason
+            assert "no fetch" in join.reason, join.reason
     assert all(c.training_node(i).learner.step > 0 for i in range(3))
 
 
@@ -185,6 +194,48 @@ def test_a_fresh_node_does_not_adopt_weights_no_better_than_its_own_random_ones(
         assert names == (["AdoptCheckpoint", "Joined"] if adopted else ["Joined"]), names
         if not adopted:
             assert join.reason.startswith("the leader's checkpoint is no better than fresh")
+
+
+def test_a_node_that_trained_while_joining_keeps_its_replica_unless_clearly_beaten():
+    """A fresh node that took steps while no leader was known judges the leader's checkpoint
+    against the replica it trained: one no better -- an honest leader's checkpoint may be
+    older than those steps -- is not adopted and no one is named; a clearly better one is
+    adopted; weights that are not finite are refused and their leader named, as always."""
+    for loss, adopted, named in [(3.198, False, False), (2.45, False, False),
+                                 (2.40, True, False), (float("inf"), False, True)]:
+        join = _join(0.0, 0, 5, 3, 1, 4)
+        join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",))
+        actions = join.fetched(0.5, CheckpointFetched("ck", 900, loss=loss, own_loss=2.483),
+                               trained_alone=True)
+        names = [type(a).__name__ for a in actions]
+        assert join.done and (join.refused == "L") is named, (loss, join.reason)
+        assert names == (["AdoptCheckpoint", "Joined"] if adopted else ["Joined"]), names
+        if not adopted and not named:
+            assert "trained while joining" in join.reason
+        # the same checkpoint judged by a node that did not train meanwhile
+        join = _join(0.0, 0, 5, 3, 1, 4)
+        join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",))
+        join.fetched(0.5, CheckpointFetched("ck", 900, loss=loss, own_loss=2.483))
+        assert "trained while joining" not in join.reason
+
+
+def test_a_node_that_trained_while_joining_fetches_only_a_checkpoint_far_ahead_of_it():
+    """Steps taken alone while no leader was known (a swarm starting together): the leader's
+    checkpoint is fetched only when it holds more than ALONE_HEAD_START times the samples
+    trained meanwhile -- a swarm's start is not worth a fetch's wait; one far ahead is."""
+    addr = lambda _i: ("10.0.0.1:7100",)  # noqa: E731
+    for held, fetches in [(None, False), (Holding(1, 9, 100, "d"), False),
+                          (Holding(1, 9, ALONE_HEAD_START * 100, "d"), False),
+                          (Holding(1, 9, ALONE_HEAD_START * 100 + 1, "d"), True)]:
+        join = _join(0.0, 0, 5, 3, 1, 4)
+        actions = join.advance(0.0, "me", "L", addr, alone=100, held_of=lambda _lead, h=held: h)
+        names = [type(a).__name__ for a in actions]
+        assert names == (["FetchCheckpoint"] if fetches else ["Joined"]), (held, names)
+        assert join.done is not fetches and join.refused is None
+        # a node that took no step alone fetches whatever the leader holds
+        join = _join(0.0, 0, 5, 3, 1, 4)
+        actions = join.advance(0.0, "me", "L", addr, held_of=lambda _lead, h=held: h)
+        assert [type(a).__name__ for a in actions] == ["FetchCheckpoint"]
 
 
 def test_a_joiner_fetches_from_the_leader_and_every_member_holding_the_same_checkpoint():
@@ -369,3 +420,59 @@ def test_the_judged_leader_cannot_set_the_swarm_loss_its_checkpoint_is_judged_by
         c.run_for(0.05)
     assert heard[lead_id][1] == 9.0  # the leader's reports are still the highest
     assert node.join.reference is not None and node.join.reference < 9.0, heard
+
+
+def test_a_swarm_that_starts_together_trains_while_it_elects_a_leader():
+    """Fresh nodes that hear peers but no leader (a swarm starting together waits a lease
+    before anyone claims) take steps alone meanwhile -- no averaging, no pushes -- and keep
+    them when the join ends without a checkpoint to adopt."""
+    c = TrainingCluster(3, 11, lambda i, node_id: learner(node_id), node_config=JOINING,
+                        step_seconds=0.1)
+    nodes = [c.training_node(i) for i in range(3)]
+    while not c.leaders():
+        assert c.now < 10.0, "no leader was elected"
+        c.run_for(0.05)
+        for node in nodes:
+            if not node.join.done:
+                assert node.trainer.stats["average_started"] == 0
+                assert node.learner.count.total == node.learner.samples  # its own alone
+    assert all(node.learner.step > 0 and node.join_steps > 0 for node in nodes)
+    before = [node.learner.step for node in nodes]
+    while not all(node.join.done for node in nodes):
+        assert c.now < 20.0
+        c.run_for(0.05)
+    c.run_for(2.0)
+    for node, steps in zip(nodes, before, strict=True):
+        assert node.learner.step > steps  # kept, and training goes on from there
+        assert node.status()["join"]["steps"] == node.join_steps > 0
+    assert sum(node.trainer.stats["average_started"] for node in nodes) > 0
+
+
+def test_a_checkpoint_fetched_during_a_step_taken_while_joining_is_adopted_after_it():
+    """The leader elected in a swarm that trained while electing it holds a checkpoint (of an
+    earlier run, say): its followers' fetches land while their steps run; each is taken up at
+    the step's end -- the driver loads weights only between steps -- and the steps taken
+    alone go with the weights (the optimiser's moments start again)."""
+    c = TrainingCluster(3, 12, lambda i, node_id: learner(node_id), node_config=JOINING,
+                        step_seconds=0.5)
+    earlier = learner("earlier").params + np.float32(0.01)
+    for i in range(3):  # whoever is elected serves this one, and says so from the start
+        c.stored[f"ckpt/{i}/0/1"] = (i, earlier.copy(), {c.nodes[i].info.node_id: 5_000})
+        c._tell_holding(c.nodes[i], f"ckpt/{i}/0/1")
+    nodes = [c.training_node(i) for i in range(3)]
+    held = set()
+    while not all(node.join.done for node in nodes):
+        assert c.now < 20.0, [node.join.state for node in nodes]
+        c.run_for(0.01)
+        for i, node in enumerate(nodes):
+            if node._fetched_late is not None:
+                assert node.outstanding is not None and node.join.state == "fetching"
+                held.add(i)
+    followers = [i for i in range(3) if not nodes[i].is_leader]
+    assert held and held <= set(followers)
+    for i in held:
+        node = nodes[i]
+        assert node.join.reason.startswith("weights from the leader's checkpoint")
+        assert node.join_steps > 0
+        assert node.learner.opt.t <= 1  # reset at the adoption (one step since, at most)
+        assert node.learner.count.total > node.learner.samples  # the leader's entry merged

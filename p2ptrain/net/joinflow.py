@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,10 +44,12 @@ class JoinFetcher:
     def __init__(self, session: aiohttp.ClientSession, signer: Signer, state_dir: Path,
                  fingerprint: str, io: Executor, answer: Callable[[Any], Any],
                  reporter: Reporter, judge: Callable[[Path], tuple[float, float]],
-                 shelf: Shelf, holders: Callable[[str, str], list[str]]):
+                 between_steps: Callable[[], Awaitable[None]], shelf: Shelf,
+                 holders: Callable[[str, str], list[str]]):
         self.session, self.signer, self.io, self.shelf = session, signer, io, shelf
         self.holders = holders  # (leader, digest) -> addresses of members that hold it
         self.judge = judge  # path -> (its held-out loss on a fixed batch, our replica's)
+        self.between_steps = between_steps  # returns once no step runs (judge's buffer free)
         self.root = state_dir / FETCHED_DIR
         self.fingerprint, self.answer, self.reporter = fingerprint, answer, reporter
         self.manifests: dict[str, checkpoint.Manifest] = {}  # path -> what was fetched
@@ -117,6 +119,7 @@ class JoinFetcher:
                 self.reporter.warn(f"checkpoint source {addr} dropped: {why}",
                                    event="fetch_source_dropped", addr=addr)
             self.manifests[str(path)] = manifest
+            await self.between_steps()  # a step taken while joining: the judge needs its buffer
             loss, own = await asyncio.get_running_loop().run_in_executor(self.io, self.judge,
                                                                          path)
             return CheckpointFetched(str(path), manifest.swarm_samples, loss=loss,

@@ -330,9 +330,9 @@ class Runtime:
             self.outbox = Outbox.open(self.signer, self.bucket, self.on_frames, reporter,
                                       self.settings.node, net.refused_seconds, self.request_stop)
             self.fetcher = JoinFetcher(self.outbox.session, self.signer, self.state_dir,
-                                       self.learner.fingerprint, self.io_pool,
-                                       self.handle, reporter, self.learner.judge_checkpoint,
-                                       self.shelf, self._holders)
+                                       self.learner.fingerprint, self.io_pool, self.handle,
+                                       reporter, self.learner.judge_checkpoint,
+                                       self.steps.idle, self.shelf, self._holders)
             self.node = self._make_node()
             reporter.info(f"node {self.node_id[:12]} listening on {net.bind}:{port}, "
                           f"advertised as {addr}, swarm {self.swarm.name!r} "

@@ -49,6 +49,12 @@ class Stepper:
         self.future = future
         future.add_done_callback(lambda f: self._finished(step, f))
 
+    async def idle(self) -> None:
+        """Return once no step is in flight and the last one's result went to the node (the
+        gradient buffer is free: a join judges a fetched checkpoint in it)."""
+        while self.future is not None:
+            await asyncio.wait([self.future])  # its own callback (`_finished`) runs first
+
     def release(self) -> None:
         """Run the parked step, if any."""
         if self.parked is not None:

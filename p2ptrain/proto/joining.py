@@ -1,6 +1,7 @@
 """Joining: before its first step a node adopts the swarm's latest checkpoint when it is newer
 than its own replica (DESIGN.md, Checkpoints: "A joining node fetches the leader's latest
-before it trains").
+before it trains") -- but for fresh weights in a swarm with no leader yet, which train alone
+while the join waits (node.py, `_trains_while_joining`).
 
     waiting  --leader known (not us)-->  fetching  --CheckpointFetched-->  done
        |  \\--we lead / join_timeout-->  done          | failed, retry
@@ -23,7 +24,16 @@ Rules it keeps:
   than them (`FRESH_MARGIN`): weights as good as random by the loss -- a degenerate replica
   that predicts uniformly, which no step moves and no averaging reaches -- are not taken,
   from a hostile leader that reports a high loss of its own or from an honest swarm that has
-  not learned yet (then without naming the leader).
+  not learned yet (then without naming the leader). Likewise a node that trained while it
+  waited (`trained_alone`: fresh weights in a swarm with no leader yet, node.py) keeps its
+  replica unless the checkpoint is clearly better, without naming the leader: an honest
+  leader's checkpoint of that moment may be older than the steps taken meanwhile.
+- Such a node does not fetch at all when the leader's checkpoint is the same swarm's start:
+  when the leader says it holds none yet, or one of at most `ALONE_HEAD_START` times the
+  samples trained here meanwhile. A swarm that started together holds nothing a fetch would
+  bring, and on a slow uplink that fetch stops its joiners for minutes. A checkpoint far
+  ahead (a swarm that was electing a new leader when the node came) is fetched as always.
+  A leader that understates what it holds only leaves the node training its own replica.
 - The fetch names the leader's address first, then every member that says it holds the same
   checkpoint (holdings.py): the driver pulls chunks from all of them at once. Which
   checkpoint: the leader's that the most members hold (`swarm_choice`), asked for by name, so
@@ -57,6 +67,9 @@ LISTING_GRACE = 5.0
 # nats a fetched checkpoint's held-out loss must be below a fresh replica's to be adopted by a
 # node that starts from fresh weights (see the module docstring)
 FRESH_MARGIN = 0.05
+# a node that trained alone while no leader was known fetches the leader's checkpoint only
+# when it holds more than this many times the samples trained meanwhile (module docstring)
+ALONE_HEAD_START = 4
 
 
 def median_loss(losses: Iterable[float | None]) -> float | None:
@@ -155,11 +168,14 @@ class Join:
                 sources_of: Callable[[str], tuple[str, ...]],
                 swarm_loss: float | None = None,
                 choice_of: Callable[[str], Holding | None] | None = None,
-                listings: int = 1) -> list[Action]:
+                listings: int = 1, alone: int = 0,
+                held_of: Callable[[str], Holding | None] | None = None) -> list[Action]:
         """Move on as far as the current view allows (called after every event);
         `swarm_loss`: what the swarm reports now, the yardstick for what this fetch brings;
         `choice_of(leader)`: the checkpoint to ask for (`preferred`; None: the newest);
-        `listings`: member lists merged so far (none: wait up to LISTING_GRACE for one)."""
+        `listings`: member lists merged so far (none: wait up to LISTING_GRACE for one);
+        `alone`: samples trained while no leader was known (0: none); `held_of(leader)`: the
+        checkpoint the leader says it holds."""
         if self.state == BACKOFF and now >= self.retry_at:
             self.state, self.wait_from = WAITING, now
         if self.state != WAITING:
@@ -177,6 +193,15 @@ class Join:
                 return []  # the first member list will say who else holds what
         if self.listing_wait is not None and (listings or timed_out or now >= self.listing_wait):
             self.listing_wait, self.listing_waited = None, True
+        if sources and alone and not self.attempt:
+            held = held_of(leader) if held_of is not None else None
+            if held is None:
+                return self._finish("the leader has announced no checkpoint (the swarm started "
+                                    "together); no fetch")
+            if held.samples <= ALONE_HEAD_START * alone:
+                return self._finish(f"the leader's checkpoint ({held.samples:,} swarm samples) is "
+                                    f"this swarm's start, as far as {alone:,} trained here; no "
+                                    f"fetch")
         if sources:
             self.state = FETCHING
             self.attempt += 1
@@ -209,14 +234,21 @@ class Join:
             return f"held-out loss {event.loss:.3f} against {ref:.3f}"
         return ""
 
-    def fetched(self, now: float, event: CheckpointFetched,
-                reference: float | None = None) -> list[Action]:
+    def fetched(self, now: float, event: CheckpointFetched, reference: float | None = None,
+                trained_alone: bool = False) -> list[Action]:
         """The driver's answer to our FetchCheckpoint (`reference`: the loss the swarm
         reports now, if known; the one it reported when the fetch began wins -- a big fetch
-        takes minutes, and the swarm's loss falls meanwhile below an honest checkpoint's)."""
+        takes minutes, and the swarm's loss falls meanwhile below an honest checkpoint's;
+        `trained_alone`: our replica took steps while the join waited)."""
         if self.state != FETCHING:
             return []  # a late answer (the join ended meanwhile): nothing to do
         if event.path is not None:
+            if (trained_alone and event.loss is not None and event.own_loss is not None
+                    and event.loss < float("inf")
+                    and not event.loss < event.own_loss - FRESH_MARGIN):
+                return self._finish(f"the leader's checkpoint is no better than the weights "
+                                    f"trained while joining (held-out loss {event.loss:.3f} "
+                                    f"against {event.own_loss:.3f}); keeping them")
             problem = self.unacceptable(event, self.reference if self.reference is not None
                                         else reference)
             if problem:

@@ -22,11 +22,18 @@ Rules it keeps:
 - Gossip bodies are checked completely *before* the control plane sees their header: a
   malformed one yields `RemoteError` and leaves membership, election, the learner's
   parameters and optimiser state as they were. A caller error raises `LocalProtocolError`.
-- Joining (joining.py): until the join is over the node takes no step, declines averaging
-  and lets nothing it hears move the learner's counters or weights; it asks the driver to
-  `FetchCheckpoint` from the leader and, given `CheckpointFetched`, emits `AdoptCheckpoint`
-  when the checkpoint is newer than the replica it started with (the driver loads it before
-  the next event), then `Joined`. From its first fetch until then it claims no leadership.
+- Joining (joining.py): until the join is over the node declines averaging and lets nothing
+  it hears move the learner's counters or weights; it asks the driver to `FetchCheckpoint`
+  from the leader and, given `CheckpointFetched`, emits `AdoptCheckpoint` when the checkpoint
+  is newer than the replica it started with (the driver loads it before the next event), then
+  `Joined`. From its first fetch until then it claims no leadership. It takes no step, but
+  for one case (`_trains_while_joining`): a node with fresh weights that has heard from
+  peers none of whom knows a leader -- a swarm starting together, which waits a lease before
+  anyone claims -- trains alone meanwhile (no pushes, no exchanges), and then fetches only
+  a checkpoint far ahead of those steps (joining.py). If the join adopts one, those steps
+  go (weights replaced, optimiser moments reset, as a fresh joiner's); a checkpoint fetched
+  while such a step runs is taken up after its StepDone (the driver's load must not meet a
+  step in flight).
 - Push targets and averaging partners are members the control plane holds *alive* (never
   suspect or dead) that accept connections (not outbound-only).
 
@@ -40,14 +47,12 @@ import math
 import numbers
 import random
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from p2ptrain.codecs import DEFAULT_CHUNK, CodecError
+from p2ptrain.codecs import CodecError
 from p2ptrain.codecs.kernels import all_finite
-from p2ptrain.options import option
 from p2ptrain.proto import wire
 from p2ptrain.proto.config import ProtoConfig
 from p2ptrain.proto.control import Control
@@ -62,6 +67,7 @@ from p2ptrain.proto.events import (
     Event,
     Finished,
     Holds,
+    Joined,
     Leave,
     Offender,
     Progress,
@@ -73,11 +79,11 @@ from p2ptrain.proto.events import (
     StepDone,
     Tick,
 )
-from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, AverageReply, AverageRequest
 from p2ptrain.proto.gossip.trainer import GossipTrainer, TooFar
-from p2ptrain.proto.joining import Join, median_loss, preferred, sources
+from p2ptrain.proto.joining import FETCHING, Join, median_loss, preferred, sources
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
+from p2ptrain.proto.nodeconfig import NodeConfig
 from p2ptrain.proto.offenders import Offenders
 from p2ptrain.proto.records import ALIVE, MemberInfo, holding_doc
 
@@ -87,63 +93,6 @@ if TYPE_CHECKING:
 JOINING, TRAINING, FINISHED, STOPPED = "joining", "training", "finished", "stopped"
 MAX_PINGS_TIMED = 256  # probes awaiting their ack for the RTT, at most
 MAX_SOURCES = 16  # addresses a join fetches from at once (the leader's first)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeConfig:
-    """Knobs of a training node beyond the control plane's `ProtoConfig`: the protocol's part
-    of the [node] section (fields made with `option`) and the [gossip] section. Constants that
-    every driver must agree on (the runtime's outbox, the simulator's network) live here."""
-
-    gossip: GossipConfig = field(default_factory=GossipConfig)  # [gossip]
-    min_peers: int = option(1, "peers to find before training starts (or after "
-                            "node.join_timeout seconds, alone)", minimum=0)
-    join_timeout: float = option(10.0, "seconds to wait for node.min_peers and for a leader "
-                                 "to fetch the swarm's checkpoint from before training from the "
-                                 "local state", minimum=0)
-    join_fetch: bool = option(True, "before the first step, fetch the leader's latest "
-                              "checkpoint and adopt its weights when they are newer")
-    fetch_attempts: int = option(6, "join-time checkpoint fetches tried (each from the leader "
-                                 "of the moment) before training from the local state",
-                                 minimum=1)
-    fetch_backoff: float = option(1.0, "seconds before the second fetch attempt; doubles after "
-                                  "each failure", minimum=0)
-    fetch_backoff_max: float = option(30.0, "longest wait between two fetch attempts, seconds",
-                                      minimum=0)
-    checkpoint_loss_tolerance: float = option(0.25, "a fetched checkpoint whose held-out loss "
-                                              "is more than this fraction above the swarm's "
-                                              "(else our own replica's) is refused",
-                                              minimum=0)
-    # Long: on a slow uplink a snapshot takes a minute, and a reply abandoned after its bytes
-    # were sent is waste. The floor: a part waits longer on a link measured slow (gossip.
-    # average_timeout_margin, up to gossip.average_timeout_max).
-    average_timeout: float = option(90.0, "seconds after which an averaging part without a "
-                                    "reply is given up, at least (longer on a link measured "
-                                    "slow: gossip.average_timeout_margin)", minimum=1)
-    bulk_in_flight: int = option(2, "gradient pushes in flight to one peer at once; more are "
-                                 "dropped (back-pressure, not a queue)", minimum=1)
-    chunk_elems: int = option(DEFAULT_CHUNK, "elements per codec chunk message", minimum=1024)
-    offender_refusals: int = option(5, "refusals of one member's values within "
-                                    "node.offender_window seconds that make it ignored; 0: "
-                                    "never", minimum=0)
-    offender_window: float = option(60.0, "seconds over which refusals of a member's values "
-                                    "are counted", minimum=1)
-    offender_cooloff: float = option(300.0, "seconds an offending member is ignored (its "
-                                     "messages dropped, never chosen as a partner or source)",
-                                     minimum=1)
-
-    def __post_init__(self) -> None:
-        if not (self.average_timeout > 0 and self.join_timeout >= 0 and self.min_peers >= 0
-                and self.chunk_elems >= 1 and self.bulk_in_flight >= 1):
-            raise ValueError("bad node settings")
-
-    @property
-    def average_request_timeout(self) -> float:
-        """How long a driver lets one averaging request run: a little shorter than the longest
-        give-up of a part (it grows with the part's bytes over the measured bandwidth), so the
-        driver never cuts a request the protocol still waits for; a reply that lands after
-        its part was given up is counted late and ignored."""
-        return 0.9 * max(self.average_timeout, self.gossip.average_timeout_max)
 
 
 class Node:
@@ -172,6 +121,12 @@ class Node:
                          loss_tolerance=config.checkpoint_loss_tolerance,
                          enabled=config.join_fetch and not joined)
         self.phase = JOINING if config.min_peers > 0 or not self.join.done else TRAINING
+        # fresh weights may train while the join waits for a leader (`_trains_while_joining`)
+        self.fresh = (learner.count.total == 0 and learner.step == 0
+                      and config.gossip.outer_every == 0)  # outer steps keep round state
+        self.join_steps = 0  # steps taken while joining (they go if a checkpoint is adopted)
+        self.leader_heard = False  # a header heard while joining named a leader
+        self._fetched_late: CheckpointFetched | None = None  # arrived during such a step
         self.offenders = Offenders(config.offender_refusals, config.offender_window,
                                    config.offender_cooloff)
         self.started = float(now)
@@ -226,11 +181,10 @@ class Node:
         elif kind is Received:
             actions = self._received(now, event, msgs)
         elif kind is CheckpointFetched:
-            actions = self.join.fetched(now, event, self._swarm_loss(self.join.fetching_from))
-            if self.join.refused and actions:  # the leader's checkpoint was refused just now
-                self._offended(now, self.join.refused, self.join.reason, actions)
-            if any(type(a) is AdoptCheckpoint for a in actions):
-                self._adopt_counts(event.counts or {})
+            if self.outstanding is not None:  # a step taken while joining runs: after it
+                self._fetched_late, actions = event, []
+            else:
+                actions = self._fetched(now, event)
         elif kind is Reading:  # a driver's read of the learner: the trainer holds every write
             actions = self.trainer.read(event.active, stepping=self.outstanding is not None)
         elif kind is Evaluated:
@@ -265,14 +219,39 @@ class Node:
             actions += self.join.advance(
                 now, self.node_id, self.control.leader, self.sources_of,
                 self._swarm_loss(self.control.leader),
-                lambda lead: preferred(lead, self._addr_of, held, members()), held.listings)
+                lambda lead: preferred(lead, self._addr_of, held, members()), held.listings,
+                self.learner.count.total if self.join_steps else 0, held.of)
         self.control.hold_claims(not self.join.done and self.join.attempt > 0)
+        if self.join_steps:  # the start log says what became of the steps taken alone
+            actions[:] = [Joined(f"{a.reason}; {self.join_steps} steps taken alone while no "
+                                 f"leader was known") if type(a) is Joined else a
+                          for a in actions]
         for action in list(actions):
             if (type(action) is RemoteError and action.offence and action.sender
                     and action.sender != self.node_id):
                 self._offended(now, action.sender, action.reason, actions)
         self._maybe_step(now, actions)
         return actions
+
+    def _fetched(self, now: float, event: CheckpointFetched) -> list[Action]:
+        actions = self.join.fetched(now, event, self._swarm_loss(self.join.fetching_from),
+                                    trained_alone=self.join_steps > 0)
+        if self.join.refused and actions:  # the leader's checkpoint was refused just now
+            self._offended(now, self.join.refused, self.join.reason, actions)
+        if any(type(a) is AdoptCheckpoint for a in actions):
+            self._adopt_counts(event.counts or {})
+            if self.join_steps:  # the steps taken while joining go with their weights
+                self.learner.opt.reset()
+        return actions
+
+    def _trains_while_joining(self) -> bool:
+        """A fresh replica's steps before the join is over: while no message heard so far (from
+        at least one member, and `min_peers`) named a leader, and no fetch is in flight."""
+        return (self.fresh and not self.join.done and self.join.state != FETCHING
+                and not self.leader_heard and self.control.leader is None
+                and self._fetched_late is None
+                and len(self.bytes_in) >= max(1, self.config.min_peers)  # members heard
+                and not self.learner.finished)
 
     def _offended(self, now: float, sender: str, reason: str, actions: list[Action]) -> None:
         if self.offenders.refused(now, sender, reason):
@@ -327,6 +306,7 @@ class Node:
             except (RemoteProtocolError, TypeError):
                 return self.control.handle(now, event)  # refuses it with the reason
         header, body = message.header, message.body
+        self.leader_heard |= header.view is not None and self.phase == JOINING
         if self.offenders.ignored(now, header.sender):
             self.trainer.stats["ignored_offender_messages"] += 1
             return []
@@ -376,13 +356,18 @@ class Node:
         if self.phase == STOPPED:
             return []
         learner, trainer = self.learner, self.trainer
-        learner.count.merge(self.control.sample_counts())
+        joining = self.phase == JOINING  # a step of `_trains_while_joining`: alone
+        if joining:  # nothing heard moves a joiner's replica: pushes that came are dropped
+            trainer.mixer.clear()
+        else:
+            learner.count.merge(self.control.sample_counts())
         trainer.flush()
         loss = event.loss
         if isinstance(loss, numbers.Real) and math.isfinite(loss) and all_finite(learner.grad):
-            peers = self.alive_peers()
+            peers = [] if joining else self.alive_peers()
             trainer.step(now, float(loss), peers, peers, msgs)
             self.loss = float(loss)
+            self.join_steps += joining
         else:
             self.skipped += 1
         self.control.merge_samples(learner.count.as_dict())
@@ -393,6 +378,9 @@ class Node:
         if finished and self.phase == TRAINING:
             self.phase = FINISHED
             actions.append(Finished(learner.step, learner.count.total))
+        if self._fetched_late is not None:  # the join's checkpoint, held for this step
+            late, self._fetched_late = self._fetched_late, None
+            actions += self._fetched(now, late)
         return actions
 
     def _maybe_step(self, now: float, actions: list[Action]) -> None:
@@ -400,9 +388,10 @@ class Node:
                 self._alive_count() >= self.config.min_peers
                 or now >= self.started + self.config.join_timeout):
             self.phase = TRAINING
-        if self.phase != TRAINING or self.outstanding is not None:
+        if self.outstanding is not None or self.phase != TRAINING and not (
+                self.phase == JOINING and self._trains_while_joining()):
             return
-        if self.learner.finished:  # e.g. restored from the run's final checkpoint
+        if self.learner.finished and self.phase == TRAINING:  # e.g. restored, the run's end
             self.phase = FINISHED
             actions.append(Finished(self.learner.step, self.learner.count.total))
             return
@@ -435,7 +424,7 @@ class Node:
             "node_id": self.node_id, "device_class": rows[0]["device_class"],
             "phase": self.phase, "step": learner.step,
             "join": {"state": self.join.state, "attempts": self.join.attempt,
-                     "reason": self.join.reason},
+                     "reason": self.join.reason, "steps": self.join_steps},
             "loss": self.loss, "eval_loss": self.eval_loss, "samples": learner.samples,
             "swarm_samples": learner.count.total, "leader": self.control.leader,
             "term": self.control.term, "is_leader": self.control.is_leader,
