@@ -10,8 +10,7 @@ Each machine runs one `p2ptrain.proto.node.Node`. The driver performs its action
   droppable (the outbox's in-flight limit); it is delivered as the same `Envelope` object,
   and one lost on a lossy link is sent again after TCP's retransmission timeout (the
   runtime's messages go over TCP, which loses none; a partition or a dead peer still ends it);
-- `SaveCheckpoint`, and `LeaderChanged` naming the machine itself (the runtime writes a
-  checkpoint as it claims): the leader's replica and swarm counter are kept as "the latest
+- `SaveCheckpoint`: the leader's replica and swarm counter are kept as "the latest
   checkpoint"; `FetchCheckpoint` (a joining node, e.g. a machine back from a failure with
   nothing of its own) moves it over the network at its charged size from the source the node
   names, then answers `CheckpointFetched` with its held-out loss and the node's own on the
@@ -270,11 +269,14 @@ class GossipSim:
             elif kind is RunStep:
                 self.run_step(i, action.step)
             elif kind is SaveCheckpoint:
-                self.save(i, action.term)
+                holding = self.holding(i, action.term)
+                self.checkpoint = Checkpoint(self.engine.now, i,
+                                             node.learner.checkpoint_weights.copy(),
+                                             node.learner.count.as_dict(), holding)
+                self.engine.after(0.0, self._holds, i, mach.generation, holding)
             elif kind is LeaderChanged:
-                if action.leader == node.node_id:  # the runtime writes one as it claims
+                if action.leader == node.node_id:
                     mach.term_floor = max(mach.term_floor, action.term)
-                    self.save(i, action.term)
             elif kind is Finished:
                 self.recorder.extra.setdefault("first_finished_at", self.engine.now)
             elif kind is FetchCheckpoint:
@@ -283,14 +285,6 @@ class GossipSim:
                 self.adopt(i, action)
         if mach.node is node:
             self.reschedule(i)
-
-    def save(self, i: int, term: int) -> None:
-        """Machine i writes a checkpoint of `term` (as the leader): the latest to fetch."""
-        mach, holding = self.machines[i], self.holding(i, term)
-        learner = mach.node.learner
-        self.checkpoint = Checkpoint(self.engine.now, i, learner.checkpoint_weights.copy(),
-                                     learner.count.as_dict(), holding)
-        self.engine.after(0.0, self._holds, i, mach.generation, holding)
 
     def holding(self, i: int, term: int) -> Holding:
         """What machine i advertises for a checkpoint it writes now in `term`."""

@@ -224,7 +224,7 @@ def test_a_node_that_trained_while_joining_fetches_only_a_checkpoint_far_ahead_o
     checkpoint is fetched only when it holds more than ALONE_HEAD_START times the samples
     trained meanwhile -- a swarm's start is not worth a fetch's wait; one far ahead is."""
     addr = lambda _i: ("10.0.0.1:7100",)  # noqa: E731
-    for held, fetches in [(Holding(1, 9, 100, "d"), False),
+    for held, fetches in [(None, False), (Holding(1, 9, 100, "d"), False),
                           (Holding(1, 9, ALONE_HEAD_START * 100, "d"), False),
                           (Holding(1, 9, ALONE_HEAD_START * 100 + 1, "d"), True)]:
         join = _join(0.0, 0, 5, 3, 1, 4)
@@ -236,57 +236,6 @@ def test_a_node_that_trained_while_joining_fetches_only_a_checkpoint_far_ahead_o
         join = _join(0.0, 0, 5, 3, 1, 4)
         actions = join.advance(0.0, "me", "L", addr, held_of=lambda _lead, h=held: h)
         assert [type(a).__name__ for a in actions] == ["FetchCheckpoint"]
-    # a leader that has announced no checkpoint yet: it may be writing its first (a new leader
-    # does as it claims); the node waits for its announcement up to the grace, and fetches
-    # its newest after that as any joiner
-    for announced, fetches in [(Holding(1, 9, 100, "d"), False), (None, True)]:
-        join = _join(0.0, 0, 5, 3, 1, 4)
-        join.announce_grace = 2.0
-        assert join.advance(0.0, "me", "L", addr, alone=100, held_of=lambda _lead: None) == []
-        assert join.next_deadline() == 2.0 and not join.done
-        assert join.advance(1.0, "me", "L", addr, alone=100, held_of=lambda _lead: None) == []
-        at = 1.5 if announced is not None else 2.0
-        actions = join.advance(at, "me", "L", addr, alone=100,
-                               held_of=lambda _lead, h=announced: h)
-        names = [type(a).__name__ for a in actions]
-        assert names == (["FetchCheckpoint"] if fetches else ["Joined"]), (announced, names)
-        assert join.announce_wait is None and join.next_deadline() is None
-    # the leader gone while the node waits: no deadline left in the past
-    join = _join(0.0, 0, 5, 3, 1, 4)
-    assert join.advance(0.0, "me", "L", addr, alone=100, held_of=lambda _lead: None) == []
-    assert join.advance(3.0, "me", None, lambda _i: (), alone=100) == []
-    assert join.next_deadline() == 5.0
-
-
-def test_no_node_fetches_a_checkpoint_announced_as_no_newer_than_its_replica():
-    """A node that restarts from its own checkpoint of 1,000 swarm samples (or a fresh one, of
-    none, in a swarm whose leader holds its fresh weights) does not fetch what the leader
-    announces as no newer: the fetch would end in "as new" after moving every byte."""
-    addr = lambda _i: ("10.0.0.1:7100",)  # noqa: E731
-    for own, samples, fetches in [(1_000, 900, False), (1_000, 1_000, False),
-                                  (1_000, 1_001, True), (0, 0, False), (0, 1, True)]:
-        join = _join(0.0, own, 5, 3, 1, 4)
-        held = Holding(1, 9, samples, "d")
-        actions = join.advance(0.0, "me", "L", addr, held_of=lambda _lead, h=held: h)
-        names = [type(a).__name__ for a in actions]
-        assert names == (["FetchCheckpoint"] if fetches else ["Joined"]), (own, samples, names)
-        if not fetches:
-            assert "no newer than the local replica" in join.reason and join.refused is None
-
-
-def test_only_what_the_leader_said_itself_can_spare_a_joiner_its_fetch():
-    """The no-fetch rules read the leader's own word: a member relaying that the leader
-    holds an empty checkpoint of a later step cannot talk a joiner out of its fetch."""
-    holdings = Holdings("me")
-    members = {"me", "L", "liar"}
-    holdings.merge({"L": Holding(9, 999, 0, "fake")}, members)  # relayed by "liar"
-    assert holdings.of("L") == Holding(9, 999, 0, "fake") and holdings.said_of("L") is None
-    join = _join(0.0, 0, 5, 3, 1, 4)
-    actions = join.advance(0.0, "me", "L", lambda _i: ("10.0.0.1:7100",),
-                           held_of=holdings.said_of)
-    assert [type(a).__name__ for a in actions] == ["FetchCheckpoint"]
-    holdings.heard("L", Holding(1, 5, 0, "d"), members)  # the leader's own header
-    assert holdings.said_of("L") == Holding(1, 5, 0, "d")
 
 
 def test_a_joiner_fetches_from_the_leader_and_every_member_holding_the_same_checkpoint():

@@ -28,18 +28,12 @@ Rules it keeps:
   waited (`trained_alone`: fresh weights in a swarm with no leader yet, node.py) keeps its
   replica unless the checkpoint is clearly better, without naming the leader: an honest
   leader's checkpoint of that moment may be older than the steps taken meanwhile.
-- No node fetches a checkpoint the leader announces as no newer than its own replica (the
-  fetch would end in "as new" after moving every byte). A node that trained while it waited
-  does not fetch at all when the leader's checkpoint is the same swarm's start:
-  one of at most `ALONE_HEAD_START` times the samples trained here meanwhile. (A new leader
-  writes its first checkpoint as it claims, and says so in its next message: while it has
-  announced none, the node waits up to `announce_grace` -- the lease -- then fetches its
-  newest as any joiner.) A swarm that started together holds nothing a fetch would
+- Such a node does not fetch at all when the leader's checkpoint is the same swarm's start:
+  when the leader says it holds none yet, or one of at most `ALONE_HEAD_START` times the
+  samples trained here meanwhile. A swarm that started together holds nothing a fetch would
   bring, and on a slow uplink that fetch stops its joiners for minutes. A checkpoint far
   ahead (a swarm that was electing a new leader when the node came) is fetched as always.
-  Only what the leader said itself counts here, not what others relay; a leader that
-  understates what it holds only leaves the node training its own replica, as a leader
-  that does not serve its checkpoint would.
+  A leader that understates what it holds only leaves the node training its own replica.
 - The fetch names the leader's address first, then every member that says it holds the same
   checkpoint (holdings.py): the driver pulls chunks from all of them at once. Which
   checkpoint: the leader's that the most members hold (`swarm_choice`), asked for by name, so
@@ -139,10 +133,8 @@ class Join:
 
     def __init__(self, *, now: float, own_samples: int, timeout: float, attempts: int,
                  backoff: float, backoff_max: float, loss_tolerance: float,
-                 enabled: bool = True, announce_grace: float = 2.0):
+                 enabled: bool = True):
         self.started = now
-        self.announce_grace = announce_grace  # see the module docstring (trained alone)
-        self.announce_wait: float | None = None  # until when to wait for an announcement
         self.own_samples = own_samples  # swarm samples of the replica the node started with
         self.timeout = timeout  # s to wait for a leader at all
         self.attempts, self.backoff, self.backoff_max = attempts, backoff, backoff_max
@@ -165,9 +157,8 @@ class Join:
 
     def next_deadline(self) -> float | None:
         if self.state == WAITING:
-            waits = [w for w in (self.listing_wait, self.announce_wait) if w is not None]
-            if waits:
-                return min(self.wait_from + self.timeout, *waits)
+            if self.listing_wait is not None:
+                return min(self.wait_from + self.timeout, self.listing_wait)
             return self.wait_from + self.timeout
         if self.state == BACKOFF:
             return self.retry_at
@@ -184,8 +175,7 @@ class Join:
         `choice_of(leader)`: the checkpoint to ask for (`preferred`; None: the newest);
         `listings`: member lists merged so far (none: wait up to LISTING_GRACE for one);
         `alone`: samples trained while no leader was known (0: none); `held_of(leader)`: the
-        checkpoint the leader said itself it holds (not what others relay about it: a member
-        must not talk a joiner out of its fetch)."""
+        checkpoint the leader says it holds."""
         if self.state == BACKOFF and now >= self.retry_at:
             self.state, self.wait_from = WAITING, now
         if self.state != WAITING:
@@ -203,21 +193,15 @@ class Join:
                 return []  # the first member list will say who else holds what
         if self.listing_wait is not None and (listings or timed_out or now >= self.listing_wait):
             self.listing_wait, self.listing_waited = None, True
-        held = held_of(leader) if sources and held_of is not None else None
-        if held is not None and held.samples <= self.own_samples and not self.attempt:
-            return self._finish(f"the leader's checkpoint ({held.samples:,} swarm samples) is no "
-                                f"newer than the local replica ({self.own_samples:,}); no fetch")
         if sources and alone and not self.attempt:
-            if held is None:  # a new leader announces its first checkpoint a moment later
-                if self.announce_wait is None:
-                    self.announce_wait = now + self.announce_grace
-                if now < self.announce_wait and not timed_out:
-                    return []
-            elif held.samples <= ALONE_HEAD_START * alone:
+            held = held_of(leader) if held_of is not None else None
+            if held is None:
+                return self._finish("the leader has announced no checkpoint (the swarm started "
+                                    "together); no fetch")
+            if held.samples <= ALONE_HEAD_START * alone:
                 return self._finish(f"the leader's checkpoint ({held.samples:,} swarm samples) is "
                                     f"this swarm's start, as far as {alone:,} trained here; no "
                                     f"fetch")
-        self.announce_wait = None  # over: a fetch starts, or there is no leader to wait on
         if sources:
             self.state = FETCHING
             self.attempt += 1
@@ -292,5 +276,5 @@ class Join:
         return []
 
     def _finish(self, reason: str) -> list[Action]:
-        self.state, self.reason, self.announce_wait = DONE, reason, None
+        self.state, self.reason = DONE, reason
         return [Joined(reason)]

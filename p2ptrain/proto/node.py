@@ -119,7 +119,7 @@ class Node:
                          timeout=config.join_timeout, attempts=config.fetch_attempts,
                          backoff=config.fetch_backoff, backoff_max=config.fetch_backoff_max,
                          loss_tolerance=config.checkpoint_loss_tolerance,
-                         enabled=config.join_fetch and not joined, announce_grace=proto.lease)
+                         enabled=config.join_fetch and not joined)
         self.phase = JOINING if config.min_peers > 0 or not self.join.done else TRAINING
         # fresh weights may train while the join waits for a leader (`_trains_while_joining`)
         self.fresh = (learner.count.total == 0 and learner.step == 0
@@ -220,7 +220,7 @@ class Node:
                 now, self.node_id, self.control.leader, self.sources_of,
                 self._swarm_loss(self.control.leader),
                 lambda lead: preferred(lead, self._addr_of, held, members()), held.listings,
-                self.learner.count.total if self.join_steps else 0, held.said_of)
+                self.learner.count.total if self.join_steps else 0, held.of)
         self.control.hold_claims(not self.join.done and self.join.attempt > 0)
         if self.join_steps:  # the start log says what became of the steps taken alone
             actions[:] = [Joined(f"{a.reason}; {self.join_steps} steps taken alone while no "
@@ -246,11 +246,9 @@ class Node:
 
     def _trains_while_joining(self) -> bool:
         """A fresh replica's steps before the join is over: while no message heard so far (from
-        at least one member, and `min_peers`) named a leader -- or, once one has, while the
-        join waits for its first checkpoint's announcement -- and no fetch is in flight."""
-        no_leader = not self.leader_heard and self.control.leader is None
+        at least one member, and `min_peers`) named a leader, and no fetch is in flight."""
         return (self.fresh and not self.join.done and self.join.state != FETCHING
-                and (no_leader or self.join.announce_wait is not None)
+                and not self.leader_heard and self.control.leader is None
                 and self._fetched_late is None
                 and len(self.bytes_in) >= max(1, self.config.min_peers)  # members heard
                 and not self.learner.finished)

@@ -263,9 +263,6 @@ class Cluster:
     def on_checkpoint(self, node: Slot, action: SaveCheckpoint) -> None:
         """A node saved a checkpoint (recorded in `checkpoints`; subclasses keep its data)."""
 
-    def on_claim(self, node: Slot, action: LeaderChanged) -> None:
-        """A node claimed the lead (the runtime writes a checkpoint then; subclasses may)."""
-
     def inject(self, i: int, message: Any, addr: str = "192.0.2.1:7100") -> list[Action]:
         """Hand node i a message directly (bytes or Envelope); returns its actions."""
         return self._handle(self.nodes[i], Received(addr, message), deliver_sends=False)
@@ -290,7 +287,6 @@ class Cluster:
             elif type(action) is LeaderChanged:
                 if action.leader == node.info.node_id:
                     node.term_floor = max(node.term_floor, action.term)
-                    self.on_claim(node, action)
             else:
                 self.on_action(node, action)
         if node.machine is not None:

@@ -35,7 +35,6 @@ from p2ptrain.proto.events import (
     FetchCheckpoint,
     Finished,
     Holds,
-    LeaderChanged,
     RunStep,
     SaveCheckpoint,
     StepDone,
@@ -101,12 +100,6 @@ class TrainingCluster(harness.Cluster):
         path = f"ckpt/{node.index}/{action.term}/{action.step}"
         self.stored[path] = (node.index, learner.params.copy(), learner.count.as_dict())
         self._tell_holding(node, path)
-
-    def on_claim(self, node: harness.Slot, action: LeaderChanged) -> None:
-        """As the runtime does: a node that claims the lead writes a checkpoint at once."""
-        self.on_checkpoint(node, SaveCheckpoint(action.term, node.machine.learner.step,
-                                                node.machine.learner.count.total,
-                                                action.leader))
 
     def _tell_holding(self, node: harness.Slot, path: str) -> None:
         """As the runtime's shelf does: the node now holds (and serves) checkpoint `path`."""

@@ -55,10 +55,6 @@ class Holdings:
             if old is None or (holding.term, holding.step) > (old.term, old.step):
                 self.relayed[node_id] = holding
 
-    def said_of(self, node_id: str) -> Holding | None:
-        """What `node_id` said itself it holds (None: it has not said, or holds nothing)."""
-        return self.said.get(node_id)
-
     def of(self, node_id: str) -> Holding | None:
         if node_id == self.me:
             return self.mine
