@@ -29,11 +29,15 @@ Rules it keeps:
   replica unless the checkpoint is clearly better, without naming the leader: an honest
   leader's checkpoint of that moment may be older than the steps taken meanwhile.
 - Such a node does not fetch at all when the leader's checkpoint is the same swarm's start:
-  when the leader says it holds none yet, or one of at most `ALONE_HEAD_START` times the
-  samples trained here meanwhile. A swarm that started together holds nothing a fetch would
+  when no checkpoint of the leader's is known yet (what it said in its headers, else what
+  members relayed: holdings.py), or one of at most `ALONE_HEAD_START` times the samples
+  trained here meanwhile. A swarm that started together holds nothing a fetch would
   bring, and on a slow uplink that fetch stops its joiners for minutes. A checkpoint far
   ahead (a swarm that was electing a new leader when the node came) is fetched as always.
-  A leader that understates what it holds only leaves the node training its own replica.
+  A leader that understates what it holds, or a member relaying a small holding for a
+  leader that has not spoken yet, only leaves the node training its own replica (as a
+  leader that does not serve its checkpoint would); a large one only brings the usual fetch
+  and judgement.
 - The fetch names the leader's address first, then every member that says it holds the same
   checkpoint (holdings.py): the driver pulls chunks from all of them at once. Which
   checkpoint: the leader's that the most members hold (`swarm_choice`), asked for by name, so
@@ -175,7 +179,7 @@ class Join:
         `choice_of(leader)`: the checkpoint to ask for (`preferred`; None: the newest);
         `listings`: member lists merged so far (none: wait up to LISTING_GRACE for one);
         `alone`: samples trained while no leader was known (0: none); `held_of(leader)`: the
-        checkpoint the leader says it holds."""
+        checkpoint the leader is known to hold (`Holdings.of`)."""
         if self.state == BACKOFF and now >= self.retry_at:
             self.state, self.wait_from = WAITING, now
         if self.state != WAITING:
