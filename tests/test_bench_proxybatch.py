@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from sims.fleet import Training
@@ -36,6 +37,9 @@ def test_a_fleet_mixed_ideally_reaches_a_loose_target_and_repeats():
                                  [2, 2, 1]) == batched
     never = proxybatch.fleet_time(training, times, 2.0, "all", 4e-3, 0.5, 40.0, 1)
     assert never[0] is None and never[1] > 0.5
+    shared = proxybatch.fleet_time(training, times, 2.0, "all", 4e-3, 4.5, 400.0, 1,
+                                   swarm_count=True)  # the schedule on the swarm's samples
+    assert shared[0] is not None and shared[1] <= 4.5
 
 
 def test_a_finer_evaluation_grid_and_the_fastest_machines_alone(capsys):
@@ -69,3 +73,24 @@ def test_with_train_ema_the_first_replicas_average_is_evaluated():
     assert averaged[1] > plain[1]
     assert proxybatch.fleet_time(training, times, 2.0, "pairs", 4e-3, 0.5, 40.0, 1,
                                  ema=0.99) == averaged
+
+
+def test_pooled_gradients_reach_a_loose_target_and_repeat():
+    """Mode "grads": one vector stepped with the machines' completed gradients, whole or
+    the slower machines' top-k with error feedback; the same inputs give the same time."""
+    training = Training(load("seed-1b-lora"))
+    times, batches = [0.5, 0.5, 3.0], [2, 2, 1]
+    for topk in (1.0, 0.05):
+        when, loss = proxybatch.pooled_time(training, times, batches, 0.5, 4e-3, 4.5, 400.0,
+                                            topk=topk)
+        assert when is not None and when % proxybatch.FLEET_CHECK == 0 and loss <= 4.5
+        assert proxybatch.pooled_time(training, times, batches, 0.5, 4e-3, 4.5, 400.0,
+                                      topk=topk) == (when, loss)
+    never = proxybatch.pooled_time(training, times, batches, 0.5, 4e-3, 0.5, 40.0)
+    assert never[0] is None and never[1] > 0.5
+
+
+def test_top_k_keeps_the_largest_magnitudes():
+    values = np.array([0.5, -3.0, 0.1, 2.0, -0.2, 1.0], np.float32)
+    assert proxybatch._top_k(values, 0.5).tolist() == [0.0, -3.0, 0.0, 2.0, 0.0, 1.0]
+    assert proxybatch._top_k(np.array([1.0, -2.0], np.float32), 0.01).tolist() == [0.0, -2.0]

@@ -24,7 +24,13 @@ Learner, no simulator:
    and each pair moves by `pull_share` of their sample rates, pull at most 0.9 ("pairs": the
    gossip default's exchange until 2026-12-02, without its bandwidth). Time to the target
    of the mean ("all") or of a fastest machine's replica ("pairs": the leader is a
-   server), checked every 20 simulated seconds, as the scenario's evaluation.
+   server), checked every 20 simulated seconds, as the scenario's evaluation. Mode "grads"
+   is the ideal of data parallelism instead: one parameter vector, each machine's gradient
+   computed on it as it was when the machine's step began, and every `--period` seconds one
+   AdamW step with the batch-weighted mean of the gradients completed since (none: no
+   step); with `--topk F` the gradients of all but the fastest device class are top-k F
+   with error feedback (what a compressed push from them carries), the fastest class's
+   whole.
 
 It prints one line per run; nothing is written.
 """
@@ -103,11 +109,14 @@ def steps_averaged(training: Training, replicas: int, every: int, lr: float, tar
 def fleet_time(training: Training, step_seconds: list[float], period: float, mode: str,
                lr: float, target: float, horizon: float, seed: int,
                batches: list[int] | None = None, check: float = FLEET_CHECK,
-               ema: float = 0.0) -> tuple[float | None, float]:
+               ema: float = 0.0, swarm_count: bool = False) -> tuple[float | None, float]:
     """(simulated seconds to the target or None, the last loss) of one replica per entry of
     `step_seconds` (fastest first; `batches`: each one's batch, 1 if not given), mixed every
     `period` seconds by `mode` ("all" / "pairs"), evaluated every `check` seconds; with
-    `ema` (`train.ema`) what is evaluated is the first replica's average of its weights."""
+    `ema` (`train.ema`) what is evaluated is the first replica's average of its weights.
+    With `swarm_count` every replica's learning-rate schedule runs on the samples of all of
+    them (merged every period, as a swarm's count is); without, on its own samples only (a
+    longer warm-up: how the entries of 2026-12-02/03 were measured)."""
     settings = dataclasses.replace(training.settings, lr=lr, ema=ema)
     batches = batches or [1] * len(step_seconds)
     learners = [Learner(training.model, f"f{i + 1}", settings, training.corpus, b, 1, 1)
@@ -126,6 +135,10 @@ def fleet_time(training: Training, step_seconds: list[float], period: float, mod
                 learner.train_step()
                 steps[i] += 1
                 due[i] += step_seconds[i]
+        if swarm_count:
+            for learner in learners:
+                for other in learners:
+                    learner.count.merge(other.count.as_dict())
         if mode == "all" and steps.sum() > 0:
             mean.fill(0.0)
             samples = steps * np.asarray(batches)
@@ -151,6 +164,62 @@ def fleet_time(training: Training, step_seconds: list[float], period: float, mod
     return None, loss
 
 
+def _top_k(values: np.ndarray, fraction: float) -> np.ndarray:
+    """`values` with all but their largest `fraction` (by magnitude) zeroed, in place."""
+    k = max(1, int(fraction * len(values)))
+    small = np.argpartition(np.abs(values), len(values) - k)[: len(values) - k]
+    values[small] = 0.0
+    return values
+
+
+def pooled_time(training: Training, step_seconds: list[float], batches: list[int],
+                period: float, lr: float, target: float, horizon: float,
+                check: float = FLEET_CHECK, ema: float = 0.0, topk: float = 1.0,
+                seed: int = 1) -> tuple[float | None, float]:
+    """Mode "grads" (see the module docstring): (simulated seconds to the target or None,
+    the last loss) of one parameter vector stepped every `period` seconds with the gradients
+    the machines (`step_seconds`, fastest first, and `batches`) completed; with `topk` < 1
+    the machines slower than the first one send their gradients top-k with error feedback.
+    `seed` names the machines, so it draws their data (the samples each one trains on)."""
+    settings = dataclasses.replace(training.settings, lr=lr, ema=ema)
+    shared = Learner(training.model, "p0", settings, training.corpus, batches[0], 1, 1)
+    workers = [Learner(training.model, f"s{seed}p{i + 1}", settings, training.corpus, b, 1, 1)
+               for i, b in enumerate(batches)]
+    residual = [np.zeros_like(shared.params) for _ in workers]
+
+    def begin(i: int, at: float) -> tuple[float, np.ndarray, float]:
+        np.copyto(workers[i].params, shared.params)
+        loss = workers[i].compute_gradient()
+        grad = workers[i].grad.copy()
+        if topk < 1.0 and step_seconds[i] > step_seconds[0]:
+            grad += residual[i]
+            sent = _top_k(grad.copy(), topk)
+            np.subtract(grad, sent, out=residual[i])
+            grad = sent
+        return at + step_seconds[i], grad, loss
+
+    flight = [begin(i, 0.0) for i in range(len(workers))]  # each step: (ends, grad, loss)
+    now, next_check, loss = 0.0, check, float("inf")
+    while now < horizon:
+        now += period
+        finished = [i for i, (ends, _, _) in enumerate(flight) if ends <= now]
+        if finished:
+            weight = sum(batches[i] for i in finished)
+            shared.grad.fill(0.0)
+            for i in finished:
+                shared.grad += np.float32(batches[i] / weight) * flight[i][1]
+            shared.batch = weight  # the step credits the pooled samples (the LR schedule's count)
+            shared.apply_gradient(shared.grad, float(np.mean([flight[i][2] for i in finished])))
+            for i in finished:  # the next step starts on the updated vector
+                flight[i] = begin(i, flight[i][0])
+        if now >= next_check:
+            next_check += check
+            loss = training.heldout_loss(shared.checkpoint_weights)
+            if loss <= target:
+                return now, loss
+    return None, loss
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", default="seed-1b-lora")
@@ -166,10 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slowest", default="1,3,5",
                         help="fleet runs: the machines whose step takes at most this (s)")
     parser.add_argument("--period", default="4.45,1", help="fleet runs: seconds between mixes")
-    parser.add_argument("--modes", default="all,pairs", help="fleet runs: all and/or pairs")
+    parser.add_argument("--modes", default="all,pairs",
+                        help="fleet runs: all, pairs and/or grads (data parallelism)")
     parser.add_argument("--horizon", type=float, default=1500.0,
                         help="fleet runs: simulated seconds at most")
-    parser.add_argument("--seed", type=int, default=1, help="fleet runs: the matchings' seed")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="fleet runs: the matchings' seed (grads runs: the machines' data)")
     parser.add_argument("--check", type=float, default=FLEET_CHECK,
                         help="fleet runs: simulated seconds between evaluations")
     parser.add_argument("--first", type=int, default=0,
@@ -177,9 +248,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ema", type=float, default=0.0,
                         help="fleet runs: train.ema of every replica; the first replica's "
                              "average is evaluated (0: off, the mean or its weights)")
+    parser.add_argument("--topk", type=float, default=1.0,
+                        help="grads runs: the share of each gradient the machines slower "
+                             "than the fastest send, top-k with error feedback (1: whole)")
+    parser.add_argument("--swarm-count", action="store_true",
+                        help="all/pairs runs: every replica's LR schedule counts the samples "
+                             "of all (as a swarm's count does; grads runs always do)")
     args = parser.parse_args(argv)
-    if not (args.check > 0 and args.first >= 0):
-        parser.error("--check must be > 0 and --first >= 0")
+    if not (args.check > 0 and args.first >= 0 and 0 < args.topk <= 1):
+        parser.error("--check must be > 0, --first >= 0 and --topk in (0, 1]")
+    if not set(args.modes.split(",")) <= {"all", "pairs", "grads"}:
+        parser.error(f"--modes: all, pairs and/or grads, not {args.modes!r}")
     scenario = load(args.scenario)
     target = args.target if args.target is not None else scenario.target_loss
     training = Training(scenario)
@@ -200,9 +279,14 @@ def main(argv: list[str] | None = None) -> None:
                 for mode in args.modes.split(","):
                     for lr in _floats(args.lrs):
                         t0 = time.perf_counter()
-                        when, loss = fleet_time(training, times, period, mode, lr, target,
-                                                args.horizon, args.seed, batches, args.check,
-                                                args.ema)
+                        if mode == "grads":
+                            when, loss = pooled_time(training, times, batches, period, lr,
+                                                     target, args.horizon, args.check,
+                                                     args.ema, args.topk, args.seed)
+                        else:
+                            when, loss = fleet_time(training, times, period, mode, lr,
+                                                    target, args.horizon, args.seed, batches,
+                                                    args.check, args.ema, args.swarm_count)
                         print(f"fleet {mode:5s} every {period:g} s lr {lr:g} of "
                               f"{len(times)}: {names}: "
                               f"{when if when is None else f'{when:.0f} s'} (last loss "
