@@ -26,11 +26,13 @@ Learner, no simulator:
    of the mean ("all") or of a fastest machine's replica ("pairs": the leader is a
    server), checked every 20 simulated seconds, as the scenario's evaluation. Mode "grads"
    is the ideal of data parallelism instead: one parameter vector, each machine's gradient
-   computed on it as it was when the machine's step began, and every `--period` seconds one
-   AdamW step with the batch-weighted mean of the gradients completed since (none: no
-   step); with `--topk F` the gradients of all but the fastest device class are top-k F
-   with error feedback (what a compressed push from them carries), the fastest class's
-   whole.
+   computed on it as it was at the first tick after the machine's previous step ended (at
+   most one period late), and every `--period` seconds one AdamW step with the
+   batch-weighted mean of the gradients completed since (none: no step), crediting their
+   samples to the schedule; with `--topk F` the gradients of all but the fastest device
+   class are top-k F with error feedback (what a compressed push from them carries), the
+   fastest class's whole. `--swarm-count` runs the all/pairs replicas' schedules on the
+   samples of all of them, as a swarm's count does (without it each counts its own).
 
 It prints one line per run; nothing is written.
 """
