@@ -45,6 +45,7 @@ import time
 
 import numpy as np
 
+from p2ptrain.codecs.sparse import TopK
 from p2ptrain.learner import Learner
 from p2ptrain.proto.gossip.averaging import pull_share
 from sims.fleet import Training
@@ -167,10 +168,12 @@ def fleet_time(training: Training, step_seconds: list[float], period: float, mod
 
 
 def _top_k(values: np.ndarray, fraction: float) -> np.ndarray:
-    """`values` with all but their largest `fraction` (by magnitude) zeroed, in place."""
-    k = max(1, int(fraction * len(values)))
-    small = np.argpartition(np.abs(values), len(values) - k)[: len(values) - k]
-    values[small] = 0.0
+    """`values` with all but the coordinates the `topk` codec keeps (its largest `fraction`
+    by magnitude) zeroed, in place."""
+    kept = TopK(fraction=fraction, exact=True).select(values)
+    sent = values[kept]
+    values.fill(0.0)
+    values[kept] = sent
     return values
 
 
