@@ -50,7 +50,7 @@ def gradient_like(seed: int, n: int) -> np.ndarray:
 
 
 def test_registry_is_consistent():
-    assert set(CODECS) == {"none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd"}
+    assert set(CODECS) == {"none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd", "sign"}
     assert {cls.codec_id for cls in CODECS.values()} == set(CODECS_BY_ID)
     for name, cls in CODECS.items():
         assert cls.name == name and CODECS_BY_ID[cls.codec_id] is cls

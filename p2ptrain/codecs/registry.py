@@ -14,9 +14,19 @@ from typing import Any
 from p2ptrain.codecs.base import PARAMS_SIZE, Codec, CodecError
 from p2ptrain.codecs.dense import BFloat16, Float16, Int8, NoCompression
 from p2ptrain.codecs.qsgd import QSGD
+from p2ptrain.codecs.sign import ScaledSign
 from p2ptrain.codecs.sparse import RandomK, TopK
 
-_ALL: tuple[type[Codec], ...] = (NoCompression, Float16, BFloat16, Int8, TopK, RandomK, QSGD)
+_ALL: tuple[type[Codec], ...] = (
+    NoCompression,
+    Float16,
+    BFloat16,
+    Int8,
+    TopK,
+    RandomK,
+    QSGD,
+    ScaledSign,
+)
 
 
 def _build(
