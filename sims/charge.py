@@ -37,6 +37,7 @@ from p2ptrain.proto import (
     AverageRequest,
     GradientPush,
     GradientReply,
+    TrackPush,
     wire,
 )
 from sims.devices import BYTES_PER_PARAM_TRAINING
@@ -174,7 +175,7 @@ class ByteCharge:
         body = envelope.body
         if isinstance(body, GradientPush | GradientReply):
             chunks: tuple[bytes, ...] = (body.chunk,)
-        elif isinstance(body, AverageRequest | AverageReply):
+        elif isinstance(body, AverageRequest | AverageReply | TrackPush):
             chunks = body.chunks
         else:
             return real

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from p2ptrain.proto import NodeConfig
     from p2ptrain.report import Reporter
 
-BULK_ROUTES = ("/v1/gossip", "/v1/average")
+BULK_ROUTES = ("/v1/gossip", "/v1/average", "/v1/track")
 DROPPABLE = "/v1/gossip"  # gradient pushes: fire and forget, dropped when the peer lags
 CONTROL_TIMEOUT = 10.0  # s for a control message round trip
 BULK_TIMEOUT = 300.0  # s for a gradient push (slow uplinks)

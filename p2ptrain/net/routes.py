@@ -10,6 +10,8 @@ from p2ptrain.proto import (
     AverageRequest,
     GradientPush,
     GradientReply,
+    TrackAck,
+    TrackPush,
     wire,
 )
 from p2ptrain.proto import messages as m
@@ -22,6 +24,7 @@ ROUTES: dict[str, tuple[tuple[type, ...], int]] = {
     "/v1/members": ((m.SyncRequest, m.SyncReply), wire.MAX_JSON + 64 * 1024),
     "/v1/gossip": ((GradientPush, GradientReply), 32 * MiB),
     "/v1/average": ((AverageRequest, AverageReply), wire.MAX_JSON + wire.MAX_BLOB),
+    "/v1/track": ((TrackPush, TrackAck), wire.MAX_JSON + wire.MAX_BLOB),
 }
 _ROUTE_OF = {cls: route for route, (classes, _) in ROUTES.items() for cls in classes}
 MAX_REPLY = wire.MAX_JSON + wire.MAX_BLOB + 64 * 1024  # a response body, at most

@@ -58,7 +58,7 @@ from p2ptrain.net.routes import MAX_REPLY, ROUTES, MiB
 from p2ptrain.net.shelf import Shelf
 from p2ptrain.proto import RemoteProtocolError, wire
 
-BULK_PATHS = ("/v1/gossip", "/v1/average")
+BULK_PATHS = ("/v1/gossip", "/v1/average", "/v1/track")
 CONTROL_BODY_MEMORY = 16 * MiB  # bytes of control-lane bodies held at once (see the docstring)
 
 

@@ -51,6 +51,8 @@ from p2ptrain.proto.gossip.messages import (
     AverageRequest,
     GradientPush,
     GradientReply,
+    TrackAck,
+    TrackPush,
 )
 from p2ptrain.proto.gossip.mixer import PlainEncoder
 from p2ptrain.proto.gossip.peers import PeerTable
@@ -76,7 +78,8 @@ __all__ = [
     "MemberDown", "MemberInfo", "MemberUp", "Node", "NodeConfig", "Offender", "PeerTable",
     "PlainEncoder",
     "Progress", "ProtoConfig", "Reading", "Received", "Refused", "RemoteError",
-    "RemoteProtocolError", "RunStep", "SaveCheckpoint", "Send", "StepDone", "Tick", "Update",
+    "RemoteProtocolError", "RunStep", "SaveCheckpoint", "Send", "StepDone", "Tick", "TrackAck",
+    "TrackPush", "Update",
     "consensus_distance", "decode", "differing_keys", "encode", "fingerprint_of", "messages",
     "register", "wire",
 ]

@@ -45,7 +45,7 @@ def flops_per_coordinate(model: Any, n: int) -> float:
 # members' bytes, and the default model on the LAN gained nothing for 1.5x the bytes.
 LORA_AVERAGE_EVERY_FAST = 1
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd")
+CODECS = ("none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd", "sign")
 FRACTION_CODECS = ("topk", "randomk")  # codecs that send a share of the coordinates
 
 
@@ -174,6 +174,17 @@ class GossipConfig:
     outer_feedback_bits: int = option(8, "bits a coordinate of the outer steps' error "
                                       "feedback is kept in: 8 (int8 with a scale per 256) or "
                                       "16 (bfloat16); both rounded stochastically", minimum=8)
+    track_peers: int = option(
+        0, "tracking (CHOCO-gossip, tracking.py): on a node that is one of the swarm's "
+        "fastest, after every step push the scaled sign of its replica minus its public "
+        "copy (1 bit a coordinate) to this many of the other fastest and move toward the "
+        "copies it holds of theirs; 4 (k + 1) bytes a parameter of extra memory on such a "
+        "node; 0: off", minimum=0)
+    track_gamma: float = option(0.5, "tracking's step toward the mean of the copies held: "
+                                "x += gamma / (m + 1) * sum(copy - own copy)", minimum=0)
+    track_warmup: int = option(24, "pushes into an epoch before a copy (and the node's own) "
+                               "is mixed: a copy starts at zero and closes on its replica "
+                               "by about half a push", minimum=1)
     queue_vectors: int = option(16, "peer gradients waiting for the next mix, at most",
                                 minimum=1)
     queue_bytes: int = option(256 << 20, "wire bytes of the peer gradients waiting, at most",
@@ -219,6 +230,10 @@ class GossipConfig:
             "average_explore": 0 <= self.average_explore <= 1,
             "average_draw_power": 1 <= self.average_draw_power <= 16,
             "outer_every": self.outer_every >= 0,
+            "track_peers": 0 <= self.track_peers <= 64,
+            "track_gamma": 0 < self.track_gamma <= 1,
+            "track_warmup": self.track_warmup >= 1,
+            "track_peers (not with outer steps)": self.outer_every == 0 or self.track_peers == 0,
             "outer_lr": 0 < self.outer_lr <= 4,
             "outer_momentum": 0 <= self.outer_momentum <= 1,
             "outer_feedback_bits (8 or 16)": self.outer_feedback_bits in (8, 16),

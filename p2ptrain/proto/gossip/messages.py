@@ -10,6 +10,8 @@ messages (`p2ptrain.codecs` wire format: each chunk has its own header and check
 - `GradientPush`: one chunk of the sender's latest gradient, fire and forget.
 - `GradientReply`: the same, sent in the response to an outbound-only member's push: how
   gradients reach a node nobody can connect to.
+- `TrackPush` / `TrackAck`: one part of a tracking push (tracking.py: the sign of the
+  sender's replica minus its public copy, which the receiver's copy adds) and its answer.
 - `AverageRequest` / `AverageReply`: the two snapshots of one part of a push-pull averaging
   exchange (a big model's exchange travels as several parts of a few MB, one after the
   other, each averaged on its own, so no side ever holds a second copy of the model), each
@@ -125,7 +127,56 @@ class AverageReply(Body):
             raise ValueError(f"an averaging reply has at most {MAX_CHUNKS} chunks")
 
 
-GOSSIP_BODIES: tuple[type[Body], ...] = (GradientPush, GradientReply, AverageRequest,
-                                         AverageReply)
+TRACK_OK, TRACK_RESET, TRACK_REFUSED = "ok", "reset", "refused"
+TRACK_STATUSES = (TRACK_OK, TRACK_RESET, TRACK_REFUSED)
 
-__all__ = ["GOSSIP_BODIES", "AverageReply", "AverageRequest", "GradientPush", "GradientReply"]
+
+def _check_track(epoch: int, seq: int, part: int, parts: int) -> None:
+    check_count(epoch, "epoch")
+    check_count(seq, "seq")
+    _check_part(part, parts)
+    if epoch < 1 or seq < 1:
+        raise ValueError("a tracking push's epoch and seq start at 1")
+
+
+@register(36)
+@dataclass(frozen=True, slots=True)
+class TrackPush(Body):
+    """Part `part` of push `seq` of the sender's tracking epoch `epoch`: codec chunk messages
+    of the difference its public copy adds (a new epoch's copy starts at zero)."""
+
+    epoch: int
+    seq: int  # pushes of the epoch so far, this one included
+    chunks: tuple[bytes, ...]
+    part: int = 0
+    parts: int = 1
+
+    def check(self) -> None:
+        _check_track(self.epoch, self.seq, self.part, self.parts)
+        if not 1 <= len(self.chunks) <= MAX_CHUNKS:
+            raise ValueError(f"a tracking push needs 1..{MAX_CHUNKS} chunks")
+
+
+@register(37)
+@dataclass(frozen=True, slots=True)
+class TrackAck(Body):
+    """The answer to a `TrackPush` (in its response): `ok` (applied), `reset` (it does not
+    follow the copy held, which is dropped: a new epoch would be followed) or `refused`
+    (no room for another copy, or not training)."""
+
+    epoch: int
+    seq: int
+    part: int
+    status: str
+
+    def check(self) -> None:
+        _check_track(self.epoch, self.seq, self.part, self.part + 1)
+        if self.status not in TRACK_STATUSES:
+            raise ValueError(f"tracking status must be one of {TRACK_STATUSES}")
+
+
+GOSSIP_BODIES: tuple[type[Body], ...] = (GradientPush, GradientReply, AverageRequest,
+                                         AverageReply, TrackPush, TrackAck)
+
+__all__ = ["GOSSIP_BODIES", "TRACK_OK", "TRACK_REFUSED", "TRACK_RESET", "AverageReply",
+           "AverageRequest", "GradientPush", "GradientReply", "TrackAck", "TrackPush"]

@@ -60,15 +60,19 @@ from p2ptrain.proto.gossip.averaging import (
 from p2ptrain.proto.gossip.config import GossipConfig, flops_per_coordinate
 from p2ptrain.proto.gossip.exchange import Exchange, held_capacity
 from p2ptrain.proto.gossip.messages import (
+    TRACK_REFUSED,
     AverageReply,
     AverageRequest,
     GradientPush,
     GradientReply,
+    TrackAck,
+    TrackPush,
 )
 from p2ptrain.proto.gossip.mixer import GradientMixer, MixReport, gradient_encoder
-from p2ptrain.proto.gossip.outer import OuterOptimizer
+from p2ptrain.proto.gossip.outer import OuterOptimizer, outer_step
 from p2ptrain.proto.gossip.peers import PeerTable, fast_pair, fast_partners
 from p2ptrain.proto.gossip.plan import FAST_PAIR
+from p2ptrain.proto.gossip.tracking import Tracker
 from p2ptrain.proto.messages import Body, Out
 
 if TYPE_CHECKING:
@@ -126,6 +130,9 @@ class GossipTrainer:
         # them (averaging pulls 1/2, partners are drawn by link alone)
         self.rate_of: Callable[[str], float | None] | None = None
         self._seed_base = int(rng.integers(0, 2**62))
+        self.tracker = (Tracker(n, config.track_peers, config.track_gamma, config.track_warmup,
+                                config.distance_guard(), rng, chunk_elems, self.stats)
+                        if config.track_peers > 0 else None)
 
     # -- inbound ------------------------------------------------------------------------------
 
@@ -137,6 +144,9 @@ class GossipTrainer:
         declines). An averaging snapshot this node would apply (a request it will not
         `decline`, the reply its open exchange waits for) must pass the distance guard."""
         raw_id = bytes.fromhex(sender)
+        if isinstance(body, TrackPush | TrackAck):  # a node that does not track refuses
+            return self.tracker.parse(sender, body) if (
+                type(body) is TrackPush and self.tracker is not None) else None
         if isinstance(body, GradientPush | GradientReply):
             msg = parse_message(body.chunk)
             if msg.vector_length != self.n:
@@ -196,7 +206,14 @@ class GossipTrainer:
         busy = busy or self.reading
         if counts is None and isinstance(body, AverageRequest | AverageReply):
             counts = body.counts
-        if isinstance(body, GradientPush | GradientReply):
+        if type(body) is TrackPush:
+            status = (self.tracker.on_push(now, sender, body, parsed, not decline)
+                      if self.tracker is not None else TRACK_REFUSED)
+            out.append(Out(sender, addr, TrackAck(body.epoch, body.seq, body.part, status),
+                           reply=True))
+        elif type(body) is TrackAck and self.tracker is not None:
+            self.tracker.on_ack(now, sender, body, self.give_up_seconds, out)
+        elif isinstance(body, GradientPush | GradientReply):
             arrival = self.mixer.receive(parsed[0], learner.count.total, admitted=parsed)
             self.peer_progress[sender] = (body.step, body.loss)
             self.stats[f"gradient_{arrival.value}"] += 1
@@ -313,7 +330,7 @@ class GossipTrainer:
         swarm = learner.count.total
         step = learner.step + 1
         if self.outer is not None:
-            return self._outer_step(now, loss, targets, partners, out)
+            return outer_step(self, now, loss, targets, partners, out)
         if self.encoder is not None:
             chunks = [bytes(m) for m in self.encoder.encode_vector(
                 learner.grad, sender_id=self.sender, swarm_samples=swarm,
@@ -329,6 +346,11 @@ class GossipTrainer:
         report = self.mixer.mix(learner.grad, float(learner.batch), swarm)
         self.last_mix = report
         learner.apply_gradient(learner.grad, loss)
+        if self.tracker is not None:
+            fast = (fast_partners(self.node_id, partners, self.rate_of)
+                    if self.rate_of is not None else [])
+            self.tracker.after_step(now, learner.params, fast, self.sender, swarm,
+                                    self.give_up_seconds, out)
         self._average_if_due(now, partners, out)
         return report
 
@@ -388,38 +410,6 @@ class GossipTrainer:
         out.append(Out(peer, addr, AverageRequest(seed, learner.step, learner.count.as_dict(),
                                                   chunks, part, parts)))
 
-    def _outer_step(self, now: float, loss: float, targets: Sequence[tuple[str, str]],
-                    partners: Sequence[tuple[str, str]], out: list[Out]) -> MixReport:
-        """A local step; every `outer_every` steps also the outer step (outer.py): share the
-        compressed progress with `fanout` targets, go back to the round's start, move by the
-        average."""
-        learner, outer = self.learner, self.outer
-        result = learner.apply_gradient(learner.grad, loss)
-        report = MixReport(result.grad_norm, 0.0, float(learner.batch), (), 0, 0,
-                           self.mixer.pending)
-        if outer.due(learner.step):
-            swarm, step = learner.count.total, learner.step
-            weight = min(float(learner.batch * outer.every), self.config.max_sample_weight)
-            chunks = outer.share(learner.grad, sender=self.sender, swarm=swarm, weight=weight,
-                                 seed=(self._seed_base + step) % 2**64,
-                                 chunk_elems=self.chunk_elems)
-            self.latest = (step, loss, chunks)
-            addrs, size = dict(targets), sum(len(c) for c in chunks)
-            for peer in self.peers.choose(addrs, self.config.fanout, self.rng, size):
-                out.extend(Out(peer, addrs[peer], GradientPush(step, loss, c)) for c in chunks)
-                self.stats["outer_pushes"] += 1
-                self.stats["outer_bytes_sent"] += size
-            if self.config.outer_rewind:
-                outer.rewind(learner.params)  # back to the round's start: the anchor
-            else:
-                outer.give_back(learner.params, learner.grad)
-            report = self.mixer.mix(learner.grad, weight, swarm)
-            outer.apply(learner.params, learner.grad)
-            self.stats["outer_steps"] += 1
-        self.last_mix = report
-        self._average_if_due(now, partners, out)
-        return report
-
     # -- timers -------------------------------------------------------------------------------
 
     def give_up_seconds(self, peer: str, sent: int) -> float:
@@ -431,9 +421,13 @@ class GossipTrainer:
                                   ceiling=cfg.average_timeout_max)
 
     def next_deadline(self) -> float | None:
-        return self.exchange.deadline if self.exchange is not None else None
+        times = [self.exchange.deadline if self.exchange is not None else None,
+                 self.tracker.next_deadline() if self.tracker is not None else None]
+        return min((t for t in times if t is not None), default=None)
 
     def tick(self, now: float) -> None:
+        if self.tracker is not None:
+            self.tracker.tick(now)
         ex = self.exchange
         if ex is not None and now >= ex.deadline:
             self.exchange = None
@@ -448,3 +442,5 @@ class GossipTrainer:
         self.held.clear()
         self.initiator.abort()
         self.mixer.clear()
+        if self.tracker is not None:
+            self.tracker.close()

@@ -1,0 +1,224 @@
+"""Tracking (gossip.track_peers, proto/gossip/tracking.py): pushes keep every receiver's copy
+bit-identical to its sender's public copy, mixing draws replicas together, and a missed push,
+a full receiver, a silent target or a hostile chunk each end in a defined state."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from p2ptrain.codecs import CodecError, make_codec
+from p2ptrain.codecs.wire import HEADER_SIZE, message_size
+from p2ptrain.proto import GossipConfig, TrackAck, TrackPush
+from p2ptrain.proto.gossip.messages import TRACK_OK, TRACK_REFUSED, TRACK_RESET
+from p2ptrain.proto.gossip.tracking import COOLDOWN, STEADY, Tracker
+
+N = 5000
+CHUNK = 1024  # several chunks, a short last one
+IDS = [f"{i:032x}" for i in range(1, 4)]
+
+
+def _tracker(k: int = 2, warmup: int = 4, gamma: float = 0.5, seed: int = 0) -> Tracker:
+    guard = GossipConfig(max_distance=10.0).distance_guard()
+    return Tracker(N, k, gamma, warmup, guard, np.random.default_rng(seed), CHUNK, Counter())
+
+
+def _give_up(peer: str, size: int) -> float:
+    return 5.0
+
+
+class Swarm:
+    """Trackers wired by hand: every push delivered, every ack returned, in order."""
+
+    def __init__(self, count: int, seed: int = 1, **kw):
+        rng = np.random.default_rng(seed)
+        self.ids = IDS[:count]
+        self.nodes = {i: _tracker(seed=n, **kw) for n, i in enumerate(self.ids)}
+        base = rng.standard_normal(N).astype(np.float32)  # replicas of one start, drifted
+        self.params = {i: base + np.float32(0.01) * rng.standard_normal(N).astype(np.float32)
+                       for i in self.ids}
+
+    def step(self, now: float, deliver: bool = True) -> list:
+        pending = []
+        for me, node in self.nodes.items():
+            out: list = []
+            fast = [(p, p) for p in self.ids if p != me]
+            node.after_step(now, self.params[me], fast, bytes.fromhex(me), 0, _give_up, out)
+            pending += [(me, o) for o in out]
+        while deliver and pending:
+            sender, o = pending.pop(0)
+            if type(o.body) is TrackPush:
+                receiver = self.nodes[o.to]
+                parsed = receiver.parse(sender, o.body)
+                status = receiver.on_push(now, sender, o.body, parsed, True)
+                pending.append((o.to, type("O", (), {"to": sender, "body": TrackAck(
+                    o.body.epoch, o.body.seq, o.body.part, status)})))
+            else:
+                out = []
+                self.nodes[o.to].on_ack(now, sender, o.body, _give_up, out)
+                pending += [(o.to, x) for x in out]
+        return pending
+
+    def spread(self) -> float:
+        mean = np.mean([p for p in self.params.values()], axis=0)
+        return float(np.sqrt(np.mean([(p - mean) ** 2 for p in self.params.values()])))
+
+
+def test_copies_equal_their_senders_public_copy_and_replicas_meet():
+    swarm = Swarm(3)
+    start = swarm.spread()
+    swarm.step(0.0)  # every member seen fast: taken on after STEADY seconds
+    for t in range(60):
+        swarm.step(STEADY + t)
+    for me, node in swarm.nodes.items():
+        assert set(node.targets) == set(swarm.ids) - {me}
+        for other, copy in node.copies.items():
+            assert np.array_equal(copy.vec, swarm.nodes[other].own), "copies drifted"
+    assert node.stats["track_mixes"] > 0
+    assert swarm.spread() < 0.25 * start  # no training: tracking alone drew them together
+    # the public copy follows its replica: sign pushes halve the gap about every push
+    for me, node in swarm.nodes.items():
+        gap = np.sqrt(np.mean((swarm.params[me] - node.own) ** 2))
+        assert gap < start
+
+
+def test_a_push_carries_one_bit_a_coordinate_and_a_scale_per_bucket():
+    swarm = Swarm(2)
+    swarm.step(0.0)
+    swarm.step(STEADY)  # the epoch's first push (int8), delivered and acked
+    first = swarm.nodes[IDS[0]].stats["track_bytes_sent"]
+    out = swarm.step(STEADY + 1, deliver=False)  # then signs
+    (sender, o), = [(s, o) for s, o in out if s == IDS[0]]
+    sign = make_codec("sign", bucket=1024)
+    bounds = [(i * CHUNK, min(CHUNK, N - i * CHUNK)) for i in range(-(-N // CHUNK))]
+    assert o.body.seq == 2
+    assert sum(len(c) for c in o.body.chunks) == sum(message_size(sign, n) for _, n in bounds)
+    assert sign.encoded_size(1 << 20) * 31 < 4 << 20  # 31x fewer bytes than float32
+    assert first == sum(message_size(make_codec("int8"), n) for _, n in bounds)
+
+
+def test_no_push_until_every_target_acknowledged_the_last():
+    swarm = Swarm(2)
+    swarm.step(0.0)
+    assert swarm.step(STEADY, deliver=False)  # a push, not delivered
+    assert swarm.step(STEADY + 1, deliver=False) == []  # waits for its ack
+    assert swarm.nodes[IDS[0]].stats["track_push_waited"] == 1
+
+
+def test_a_missed_push_resets_the_copy_and_a_new_epoch_restarts_it():
+    swarm = Swarm(2)
+    swarm.step(0.0)
+    swarm.step(STEADY)
+    a, b = swarm.nodes[IDS[0]], swarm.nodes[IDS[1]]
+    assert IDS[0] in b.copies
+    out: list = []
+    a.after_step(STEADY + 1, swarm.params[IDS[0]], [(IDS[1], "x")], bytes.fromhex(IDS[0]), 0,
+                 _give_up, out)
+    lost = out[0].body
+    skipped = dataclasses.replace(lost, seq=lost.seq + 1)  # as if `lost` never arrived
+    parsed = b.parse(IDS[0], skipped)
+    assert b.on_push(STEADY + 1, IDS[0], skipped, parsed, True) == TRACK_RESET
+    assert IDS[0] not in b.copies
+    acked: list = []
+    a.on_ack(STEADY + 1, IDS[1], TrackAck(lost.epoch, lost.seq, 0, TRACK_RESET), _give_up, acked)
+    assert IDS[1] not in a.targets and a.cool[IDS[1]] == STEADY + 1 + COOLDOWN
+    # a fresh epoch (seq 1) is followed again from zero
+    restart = TrackPush(lost.epoch + 1, 1, tuple(_chunks_from(IDS[0])), 0, 1)
+    assert b.on_push(STEADY + 2, IDS[0], restart, b.parse(IDS[0], restart), True) == TRACK_OK
+    assert b.copies[IDS[0]].seq == 1
+
+
+def test_a_full_receiver_refuses_and_a_joiner_refuses():
+    swarm = Swarm(3, k=1)
+    swarm.step(0.0)
+    swarm.step(STEADY)
+    refused = sum(n.stats["track_refused"] for n in swarm.nodes.values())
+    held = [len(n.copies) for n in swarm.nodes.values()]
+    assert max(held) <= 1
+    b = swarm.nodes[IDS[1]]
+    push = TrackPush(7, 1, tuple(_chunks_from(IDS[2])), 0, 1)
+    assert b.on_push(0.0, IDS[2], push, b.parse(IDS[2], push), False) == TRACK_REFUSED
+    assert refused >= 0
+
+
+def _chunks_from(sender: str) -> list[bytes]:
+    t = _tracker()
+    out: list = []
+    t.after_step(0.0, np.ones(N, np.float32), [(IDS[0], "x")], bytes.fromhex(sender), 0,
+                 _give_up, out)
+    t.after_step(STEADY, np.ones(N, np.float32), [(IDS[0], "x")], bytes.fromhex(sender), 0,
+                 _give_up, out)
+    return list(out[0].body.chunks)
+
+
+def test_a_silent_target_is_dropped_at_its_give_up_time():
+    swarm = Swarm(2)
+    swarm.step(0.0)
+    swarm.step(STEADY, deliver=False)
+    a = swarm.nodes[IDS[0]]
+    assert a.next_deadline() == STEADY + 5.0
+    a.tick(STEADY + 5.0)
+    assert not a.targets and a.stats["track_timeout"] == 1 and a.next_deadline() is None
+
+
+def test_hostile_pushes_are_refused_and_change_nothing():
+    b = _tracker()
+    good = TrackPush(3, 1, tuple(_chunks_from(IDS[0])), 0, 1)
+    with pytest.raises(CodecError):
+        b.parse(IDS[1], good)  # chunks name another sender
+    with pytest.raises(CodecError):
+        b.parse(IDS[0], dataclasses.replace(good, chunks=good.chunks[:-1]))
+    with pytest.raises(CodecError):
+        b.parse(IDS[0], dataclasses.replace(good, parts=2))
+    swapped = (good.chunks[1], good.chunks[0], *good.chunks[2:])
+    with pytest.raises(CodecError):
+        b.parse(IDS[0], dataclasses.replace(good, chunks=swapped))
+    assert not b.copies
+    # a NaN scale: parsed (the header is fine) but refused when decoded; no copy kept
+    bad = bytearray(good.chunks[0])
+    bad[HEADER_SIZE: HEADER_SIZE + 4] = np.float32(np.nan).tobytes()
+    import xxhash
+
+    from p2ptrain.codecs.wire import TRAILER_SIZE  # the checksum covers the payload
+    bad[-TRAILER_SIZE:] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(bad[:-TRAILER_SIZE])))
+    hostile = dataclasses.replace(good, chunks=(bytes(bad), *good.chunks[1:]))
+    try:
+        parsed = b.parse(IDS[0], hostile)
+    except CodecError:
+        return  # refused at the frame: fine too
+    with pytest.raises(CodecError):
+        b.on_push(0.0, IDS[0], hostile, parsed, True)
+    assert IDS[0] not in b.copies
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="track_gamma"):
+        GossipConfig(track_peers=2, track_gamma=1.5)
+    with pytest.raises(ValueError, match="outer steps"):
+        GossipConfig(track_peers=2, outer_every=10, fanout=1)
+    assert GossipConfig().track_peers == 0  # off by default
+
+
+
+def test_a_node_that_does_not_track_refuses_a_push_without_calling_it_an_offence():
+    from tests.test_gossip_longex import trainer
+
+    t = trainer("b" * 32)  # gossip.track_peers = 0
+    n = t.n
+    sender = _tracker()
+    sender.n, sender.bounds = n, [(0, n)]
+    sender.parts, sender.part_chunks = 1, 1
+    out: list = []
+    x = np.ones(n, np.float32)
+    sender.after_step(0.0, x, [("b" * 32, "x")], bytes.fromhex("a" * 32), 0, _give_up, out)
+    sender.after_step(STEADY, x, [("b" * 32, "x")], bytes.fromhex("a" * 32), 0, _give_up, out)
+    push = out[0].body
+    assert t.parse("a" * 32, push) is None  # no CodecError: not an offence
+    replies: list = []
+    t.on_body(0.0, "a" * 32, "10.0.0.1:7100", push, None, busy=False, outbound_sender=False,
+              out=replies)
+    assert [r.body.status for r in replies] == [TRACK_REFUSED]
