@@ -36,6 +36,7 @@ BENCH_CODECS: tuple[tuple[str, str, dict[str, Any], float | None, float | None],
     ("randomk", "randomk", {"fraction": 0.01}, None, 0.3),
     ("qsgd-8bit", "qsgd", {"levels": 127}, 0.04, 0.3),
     ("qsgd-4bit", "qsgd", {"levels": 7}, 0.04, 0.3),
+    ("sign", "sign", {"bucket": 1024}, None, 0.3),
 )
 TOPK_SPEEDUP_GOAL = 2.0  # sampled top-k encode at least this many times exact top-k's
 _SENDER = bytes(16)
