@@ -15,7 +15,7 @@ from p2ptrain.codecs import CodecError, make_codec
 from p2ptrain.codecs.wire import HEADER_SIZE, message_size
 from p2ptrain.proto import GossipConfig, TrackAck, TrackPush
 from p2ptrain.proto.gossip.messages import TRACK_OK, TRACK_REFUSED, TRACK_RESET
-from p2ptrain.proto.gossip.tracking import COOLDOWN, STEADY, Tracker
+from p2ptrain.proto.gossip.tracking import COOLDOWN, RESTART_SECONDS, STALE_SECONDS, STEADY, Tracker
 
 N = 5000
 CHUNK = 1024  # several chunks, a short last one
@@ -222,3 +222,35 @@ def test_a_node_that_does_not_track_refuses_a_push_without_calling_it_an_offence
     t.on_body(0.0, "a" * 32, "10.0.0.1:7100", push, None, busy=False, outbound_sender=False,
               out=replies)
     assert [r.body.status for r in replies] == [TRACK_REFUSED]
+
+
+def test_a_member_becoming_fast_while_a_push_awaits_its_ack_waits_for_a_new_epoch():
+    a = _tracker()
+    me, params = bytes.fromhex(IDS[0]), np.ones(N, np.float32)
+    a.after_step(0.0, params, [(IDS[1], "b")], me, 0, _give_up, [])
+    out: list = []
+    a.after_step(STEADY, params, [(IDS[1], "b")], me, 0, _give_up, out)  # epoch 1, B
+    epoch = a.epoch
+    both = [(IDS[1], "b"), (IDS[2], "c")]
+    a.after_step(STEADY + 1, params, both, me, 0, _give_up, [])  # C seen fast from now
+    later = STEADY + 1 + max(STEADY, RESTART_SECONDS)
+    a.after_step(later, params, both, me, 0, _give_up, [])  # B's ack still awaited
+    assert set(a.targets) == {IDS[1]} and a.epoch == epoch  # C not taken on mid-epoch
+    a.on_ack(later, IDS[1], TrackAck(epoch, a.seq, 0, TRACK_OK), _give_up, [])
+    out = []
+    a.after_step(later + 0.1, params, both, me, 0, _give_up, out)
+    assert set(a.targets) == {IDS[1], IDS[2]} and a.epoch != epoch and a.seq == 1
+    assert {o.to for o in out} == {IDS[1], IDS[2]}  # both get the new epoch's first push
+
+
+def test_a_copy_whose_sender_stopped_pushing_is_not_mixed():
+    swarm = Swarm(2)
+    swarm.step(0.0)
+    for t in range(10):
+        swarm.step(STEADY + t * 0.1)
+    b = swarm.nodes[IDS[1]]
+    now = STEADY + 0.9
+    assert b.stats["track_mixes"] > 0
+    mixes, before = b.stats["track_mixes"], swarm.params[IDS[1]].copy()
+    b.mix(now + STALE_SECONDS + 0.01, swarm.params[IDS[1]])  # A silent since `now`
+    assert b.stats["track_mixes"] == mixes and np.array_equal(swarm.params[IDS[1]], before)

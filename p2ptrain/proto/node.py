@@ -414,6 +414,7 @@ class Node:
                 "node_id": peer, "addr": row["addr"], "state": row["state"],
                 "device_class": row["device_class"], "outbound_only": row["outbound_only"],
                 "leader": row["leader"], "step": step, "loss": loss, "samples": row["samples"],
+                "samples_per_s": self.control.sample_rate(peer),
                 "bytes_in": self.bytes_in[peer], "bytes_out": self.bytes_out[peer],
                 "rtt_ms": None if stats.rtt is None else stats.rtt * 1e3,
                 "bandwidth": stats.bandwidth, "holds": holding_doc(holdings.of(peer)),

@@ -19,8 +19,10 @@ step:
    (`TrackPush`, numbered within an epoch), but only once every target acknowledged the last
    (`TrackAck`): the pace follows the slowest target's link instead of queueing behind it.
 2. mix: x_i += gamma / (m + 1) * sum_j (h_j - h_i) over the m copies that are warm (at least
-   `track_warmup` pushes into their epoch, as h_i must be) and pass the distance guard (the
-   RMS of h_j - h_i, judged as averaging snapshots are).
+   `track_warmup` pushes into their epoch, as h_i must be), fresh (pushed to within
+   `STALE_SECONDS`, or `STALE_STEPS` of this node's steps: a sender that dropped this node
+   leaves a copy that no longer follows it) and pass the distance guard (the RMS of
+   h_j - h_i, judged as averaging snapshots are).
 
 Copies start with their sender's epoch: its first push is the replica itself in int8 (a
 scale per 256 values; 1 byte a coordinate, once an epoch), and the sign pushes after it close
@@ -31,9 +33,9 @@ so only a failure misses one) drops that copy and is answered `reset`; a receive
 room for another copy (at most k) answers `refused`. Either way, and when an ack does not
 come by its give-up time, the sender stops pushing to that member for `COOLDOWN` seconds.
 Taking a new target on starts a new epoch (h_i = 0; every receiver starts its copy again), at
-most every `RESTART_SECONDS`. Targets are fast partners (peers.fast_partners) for `STEADY`
-seconds on end, and stop being targets when they have not been for as long (dropping one
-restarts nothing; observed rates are noisy).
+most every `RESTART_SECONDS`, and only while no push awaits an ack. Targets are fast partners
+(peers.fast_partners) for `STEADY` seconds on end, and stop being targets when they have
+not been fast for as long (dropping one restarts nothing; observed rates are noisy).
 
 Extra memory: h_i and k copies, float32 (4 (k + 1) bytes a parameter), only on a node that
 tracks; meant for the wired servers of a fleet, whose memory is not the Pis' budget. A copy
@@ -48,11 +50,18 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from p2ptrain.codecs import CodecError, make_codec
-from p2ptrain.codecs.wire import HEADER_SIZE, Origin, chunk_bounds, encode_chunk, parse_message
+from p2ptrain.codecs.wire import (
+    HEADER_SIZE,
+    Origin,
+    chunk_bounds,
+    encode_chunk,
+    parse_message,
+)
 from p2ptrain.proto.gossip.messages import (
     MAX_CHUNKS,
     TRACK_OK,
@@ -61,11 +70,14 @@ from p2ptrain.proto.gossip.messages import (
     TrackAck,
     TrackPush,
 )
+from p2ptrain.proto.gossip.peers import fast_partners
 from p2ptrain.proto.messages import Out
 
 BUCKET = 1024  # coordinates per scale of the sign codec
 COOLDOWN = 30.0  # s a member that refused, reset or did not answer is not pushed to
-RESTART_SECONDS = 10.0  # s between new epochs at least
+RESTART_SECONDS = 3.0  # s between new epochs at least
+STALE_SECONDS = 1.0  # a copy not pushed to for this long (or STALE_STEPS steps) is not mixed
+STALE_STEPS = 4
 STEADY = 5.0  # s a member must be (or not be) among the fastest to be taken on (dropped)
 PART_BYTES = 48 << 20  # a push's message carries chunks up to this many bytes
 MAX_EPOCH = 2**53
@@ -100,6 +112,7 @@ class Tracker:
         self.own: np.ndarray | None = None  # h_i
         self.epoch, self.seq = 0, 0  # 0: no epoch yet
         self.restarted = -math.inf
+        self.step_seconds = 0.0
         self.targets: dict[str, str] = {}  # member -> addr
         self.cursor: dict[str, tuple[int, float]] = {}  # target -> (part awaited, give-up)
         self.outgoing: list[TrackPush] = []  # the parts of push `seq`
@@ -112,10 +125,11 @@ class Tracker:
 
     # -- the sender ----------------------------------------------------------------------------
 
-    def _pick(self, now: float, fast: Sequence[tuple[str, str]]) -> bool:
+    def _pick(self, now: float, fast: Sequence[tuple[str, str]], can_add: bool) -> bool:
         """Targets: members fast for `STEADY` seconds on end, dropped once they have not
-        been for as long (observed rates are noisy; each new target restarts the epoch).
-        True when one was taken on (a new epoch is due)."""
+        been for as long (observed rates are noisy). One is taken on only when `can_add`
+        (no push awaits an ack: a new target needs a new epoch, which starts at once).
+        True when one was taken on."""
         addrs = dict(fast)
         for peer in addrs:
             self.since.setdefault(peer, now)
@@ -127,7 +141,8 @@ class Tracker:
         for peer in [p for p in self.targets if now - self.left.get(p, now) >= STEADY]:
             self._drop(now, peer, "track_target_left", cool=False)
         self.left = {p: t for p, t in self.left.items() if now - t < STEADY}
-        if len(self.targets) >= self.k or now - self.restarted < RESTART_SECONDS:
+        if (not can_add or len(self.targets) >= self.k
+                or now - self.restarted < RESTART_SECONDS):
             return False
         added = False
         for peer, since in sorted(self.since.items(), key=lambda item: item[1]):
@@ -149,16 +164,18 @@ class Tracker:
         self.stats[why] += 1
 
     def after_step(self, now: float, params: np.ndarray, fast: Sequence[tuple[str, str]],
-                   sender: bytes, swarm: int,
-                   give_up: Callable[[str, int], float], out: list[Out]) -> None:
-        """After a local step: push if every target acknowledged the last push, then mix."""
-        if self._pick(now, fast) and not self.cursor:
+                   sender: bytes, swarm: int, give_up: Callable[[str, int], float],
+                   out: list[Out], step_seconds: float = 0.0) -> None:
+        """After a local step (`step_seconds`: how long this node's steps take, 0: unknown):
+        push if every target acknowledged the last push, then mix."""
+        self.step_seconds = step_seconds
+        if self._pick(now, fast, not self.cursor):
             self._new_epoch(now)
         if self.targets and not self.cursor and self.own is not None:
             self._push(now, params, sender, swarm, give_up, out)
         elif self.cursor:
             self.stats["track_push_waited"] += 1
-        self.mix(params)
+        self.mix(now, params)
 
     def _new_epoch(self, now: float) -> None:
         if self.own is None:
@@ -291,13 +308,14 @@ class Tracker:
 
     # -- the mix ---------------------------------------------------------------------------------
 
-    def mix(self, params: np.ndarray) -> None:
+    def mix(self, now: float, params: np.ndarray) -> None:
         """x_i += gamma / (m + 1) * sum_j (h_j - h_i) over the warm copies the guard passes."""
         own = self.own
         if own is None or self.seq < self.warmup:
             return
-        warm = [(p, c) for p, c in self.copies.items()
-                if c.seq >= self.warmup and c.next_part == 0]
+        fresh = max(STALE_SECONDS, STALE_STEPS * self.step_seconds)
+        warm = [(p, c) for p, c in self.copies.items()  # a sender that stopped pushing
+                if c.seq >= self.warmup and c.next_part == 0 and now - c.heard <= fresh]
         chosen, distances = [], []
         for peer, copy in warm:
             d = self._rms(copy.vec, own)
@@ -333,3 +351,14 @@ class Tracker:
         self.outgoing = []
         self.copies.clear()
         self.own = None
+
+
+def track_step(trainer: Any, now: float, partners: Sequence[tuple[str, str]],
+               out: list[Out]) -> None:
+    """A GossipTrainer's (`trainer`) tracking after its local step: targets among its fast
+    `partners`; its step time is its batch over its observed sample rate."""
+    rate_of, learner = trainer.rate_of, trainer.learner
+    own = rate_of(trainer.node_id) if rate_of is not None else None
+    fast = fast_partners(trainer.node_id, partners, rate_of) if own else []
+    trainer.tracker.after_step(now, learner.params, fast, trainer.sender, learner.count.total,
+                               trainer.give_up_seconds, out, learner.batch / own if own else 0.0)

@@ -72,7 +72,7 @@ from p2ptrain.proto.gossip.mixer import GradientMixer, MixReport, gradient_encod
 from p2ptrain.proto.gossip.outer import OuterOptimizer, outer_step
 from p2ptrain.proto.gossip.peers import PeerTable, fast_pair, fast_partners
 from p2ptrain.proto.gossip.plan import FAST_PAIR
-from p2ptrain.proto.gossip.tracking import Tracker
+from p2ptrain.proto.gossip.tracking import Tracker, track_step
 from p2ptrain.proto.messages import Body, Out
 
 if TYPE_CHECKING:
@@ -347,10 +347,7 @@ class GossipTrainer:
         self.last_mix = report
         learner.apply_gradient(learner.grad, loss)
         if self.tracker is not None:
-            fast = (fast_partners(self.node_id, partners, self.rate_of)
-                    if self.rate_of is not None else [])
-            self.tracker.after_step(now, learner.params, fast, self.sender, swarm,
-                                    self.give_up_seconds, out)
+            track_step(self, now, partners, out)
         self._average_if_due(now, partners, out)
         return report
 
