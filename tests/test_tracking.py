@@ -14,6 +14,7 @@ import pytest
 from p2ptrain.codecs import CodecError, make_codec
 from p2ptrain.codecs.wire import HEADER_SIZE, message_size
 from p2ptrain.proto import GossipConfig, TrackAck, TrackPush
+from p2ptrain.proto.gossip import tracking
 from p2ptrain.proto.gossip.messages import TRACK_OK, TRACK_REFUSED, TRACK_RESET
 from p2ptrain.proto.gossip.tracking import COOLDOWN, RESTART_SECONDS, STALE_SECONDS, STEADY, Tracker
 
@@ -68,8 +69,11 @@ class Swarm:
         return float(np.sqrt(np.mean([(p - mean) ** 2 for p in self.params.values()])))
 
 
-def test_copies_equal_their_senders_public_copy_and_replicas_meet():
+@pytest.mark.parametrize("part_bytes", [48 << 20, 3000])  # one part a push, or three
+def test_copies_equal_their_senders_public_copy_and_replicas_meet(monkeypatch, part_bytes):
+    monkeypatch.setattr(tracking, "PART_BYTES", part_bytes)
     swarm = Swarm(3)
+    assert swarm.nodes[IDS[0]].parts == (1 if part_bytes > N * 8 else 3)
     start = swarm.spread()
     swarm.step(0.0)  # every member seen fast: taken on after STEADY seconds
     for t in range(60):
@@ -254,3 +258,16 @@ def test_a_copy_whose_sender_stopped_pushing_is_not_mixed():
     mixes, before = b.stats["track_mixes"], swarm.params[IDS[1]].copy()
     b.mix(now + STALE_SECONDS + 0.01, swarm.params[IDS[1]])  # A silent since `now`
     assert b.stats["track_mixes"] == mixes and np.array_equal(swarm.params[IDS[1]], before)
+
+
+def test_every_part_of_a_100m_push_fits_the_wire():
+    from p2ptrain.proto import wire
+
+    t = Tracker(100_358_400, 2, 0.5, 4, GossipConfig().distance_guard(),
+                np.random.default_rng(0), 1 << 20, Counter())  # allocates nothing yet
+    assert t.parts > 1  # the int8 first push is ~100 MB
+    per = t.part_chunks
+    for codec in (t.first_codec, t.codec):
+        for part in range(t.parts):
+            sizes = [message_size(codec, n) for _, n in t.bounds[part * per:(part + 1) * per]]
+            assert sum(sizes) <= wire.MAX_BLOB and len(sizes) <= 1024

@@ -60,6 +60,7 @@ from p2ptrain.codecs.wire import (
     Origin,
     chunk_bounds,
     encode_chunk,
+    message_size,
     parse_message,
 )
 from p2ptrain.proto.gossip.messages import (
@@ -105,8 +106,9 @@ class Tracker:
         self.codec = make_codec("sign", bucket=BUCKET)
         self.first_codec = make_codec("int8")  # an epoch's first push: the replica itself
         self.bounds = chunk_bounds(self.n, self.chunk_elems)
-        per_part = max(1, min(MAX_CHUNKS, PART_BYTES // max(1, self.codec.encoded_size(
-            self.bounds[0][1]))))
+        # parts sized for the bigger (int8) push, so every message fits the wire's bulk tail
+        per_part = max(1, min(MAX_CHUNKS, PART_BYTES // max(1, message_size(
+            self.first_codec, self.bounds[0][1]))))
         self.part_chunks = per_part
         self.parts = math.ceil(len(self.bounds) / per_part)
         self.own: np.ndarray | None = None  # h_i
