@@ -271,3 +271,34 @@ def test_every_part_of_a_100m_push_fits_the_wire():
         for part in range(t.parts):
             sizes = [message_size(codec, n) for _, n in t.bounds[part * per:(part + 1) * per]]
             assert sum(sizes) <= wire.MAX_BLOB and len(sizes) <= 1024
+
+
+def test_a_node_refuses_a_malformed_push_with_an_ack_at_once():
+    from p2ptrain.proto.events import RemoteError, Send
+    from p2ptrain.proto.node import NodeConfig
+    from tests.cluster.harness import Network
+    from tests.cluster.training import TrainingCluster
+    from tests.test_node import envelope_from, learner
+
+    gossip = GossipConfig(average_every=2, track_peers=2)
+    config = NodeConfig(gossip=gossip, min_peers=2, join_timeout=5.0)
+    c = TrainingCluster(3, 3, lambda i, node_id: learner(node_id), node_config=config,
+                        step_seconds=0.5, network=Network(bandwidth=2e5))
+    c.run_until(6.0)
+    node = c.training_node(0)
+    assert node.phase == "training"
+    forged = TrackPush(5, 1, (b"not a chunk",), 0, node.trainer.tracker.parts)
+    actions = c.inject(0, envelope_from(c, 1, 0, forged), c.nodes[1].info.addr)
+    assert [type(a) for a in actions] == [RemoteError, Send]
+    ack = actions[1].envelope.body
+    assert actions[1].reply and type(ack) is TrackAck and ack.status == TRACK_REFUSED
+    assert (ack.epoch, ack.seq, ack.part) == (5, 1, 0)
+
+
+def test_a_push_waits_for_its_ack_a_bounded_time():
+    t = _tracker()
+    out: list = []
+    fast = [(IDS[1], "b")]
+    t.after_step(0.0, np.ones(N, np.float32), fast, bytes(16), 0, lambda p, s: 1e6, out, 0.5)
+    t.after_step(STEADY, np.ones(N, np.float32), fast, bytes(16), 0, lambda p, s: 1e6, out, 0.5)
+    assert t.next_deadline() == STEADY + max(tracking.GIVE_UP_MIN, tracking.GIVE_UP_STEPS * 0.5)

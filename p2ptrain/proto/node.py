@@ -79,7 +79,14 @@ from p2ptrain.proto.events import (
     StepDone,
     Tick,
 )
-from p2ptrain.proto.gossip.messages import GOSSIP_BODIES, AverageReply, AverageRequest
+from p2ptrain.proto.gossip.messages import (
+    GOSSIP_BODIES,
+    TRACK_REFUSED,
+    AverageReply,
+    AverageRequest,
+    TrackAck,
+    TrackPush,
+)
 from p2ptrain.proto.gossip.trainer import GossipTrainer, TooFar
 from p2ptrain.proto.joining import FETCHING, Join, median_loss, preferred, sources
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
@@ -322,6 +329,9 @@ class Node:
                 if type(body) is AverageRequest:  # tell the initiator at once (no 90 s wait)
                     refused.append(self.control.wrap(header.sender, event.addr, AverageReply(
                         body.seed, self.learner.step, {}, (), body.part, body.parts), True))
+                elif type(body) is TrackPush:  # likewise: its pushes wait for this answer
+                    refused.append(self.control.wrap(header.sender, event.addr, TrackAck(
+                        body.epoch, body.seq, body.part, TRACK_REFUSED), True))
                 return refused
         actions = self.control.handle(now, Received(event.addr, message))
         if type(body) is Ack:

@@ -30,8 +30,10 @@ the rounding left and follow the steps (a sign from zero converges slowly where 
 values differ widely). A copy is mixed after `track_warmup` pushes. A push
 that does not follow the copy held (a missed one; the runtime posts them one after another,
 so only a failure misses one) drops that copy and is answered `reset`; a receiver without
-room for another copy (at most k) answers `refused`. Either way, and when an ack does not
-come by its give-up time, the sender stops pushing to that member for `COOLDOWN` seconds.
+room for another copy (at most k) answers `refused`, and one that cannot parse it refuses
+it. Either way, and when an ack does not come by its give-up time (averaging's, but at most
+`GIVE_UP_MIN` seconds or `GIVE_UP_STEPS` steps: while a push waits, none goes out), the
+sender stops pushing to that member for `COOLDOWN` seconds.
 Taking a new target on starts a new epoch (h_i = 0; every receiver starts its copy again), at
 most every `RESTART_SECONDS`, and only while no push awaits an ack. Targets are fast partners
 (peers.fast_partners) for `STEADY` seconds on end, and stop being targets when they have
@@ -77,6 +79,8 @@ from p2ptrain.proto.messages import Out
 BUCKET = 1024  # coordinates per scale of the sign codec
 COOLDOWN = 30.0  # s a member that refused, reset or did not answer is not pushed to
 RESTART_SECONDS = 3.0  # s between new epochs at least
+GIVE_UP_MIN = 10.0  # s a push part waits for its ack at least (then as averaging's give-up,
+GIVE_UP_STEPS = 40  # at most this many of the node's steps if that is longer)
 STALE_SECONDS = 1.0  # a copy not pushed to for this long (or STALE_STEPS steps) is not mixed
 STALE_STEPS = 4
 STEADY = 5.0  # s a member must be (or not be) among the fastest to be taken on (dropped)
@@ -214,7 +218,8 @@ class Tracker:
               give_up: Callable[[str, int], float], out: list[Out]) -> None:
         body = self.outgoing[part]
         size = sum(len(c) for c in body.chunks)
-        self.cursor[peer] = (part, now + give_up(peer, size))
+        wait = max(GIVE_UP_MIN, GIVE_UP_STEPS * self.step_seconds)  # a silent target stalls
+        self.cursor[peer] = (part, now + min(give_up(peer, size), wait))  # every push this long
         self.stats["track_bytes_sent"] += size
         out.append(Out(peer, addr, body))
 

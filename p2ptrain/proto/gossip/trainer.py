@@ -31,6 +31,10 @@ x the expected time, at least `average_timeout` -- the only bound while nothing 
 and at most `average_timeout_max`); a part given up lowers that peer's bandwidth estimate, so
 the next one waits longer. No part is sent once the exchange has run `average_timeout_max`.
 
+Tracking (`track_peers` > 0, tracking.py): after each step the node also pushes the sign of
+its replica minus its public copy to the fastest members and moves toward its copies of
+theirs (`track_step`).
+
 Outbound-only peers: nobody may connect to them, so they are never push targets or averaging
 partners; they start exchanges themselves, and a push from one is answered with this node's
 latest gradient (`GradientReply`, sent in the response), once per own step. This file never
