@@ -55,6 +55,15 @@ def blocks(n: int, block: int = BLOCK) -> Iterator[tuple[int, int]]:
         yield start, min(n, start + block)
 
 
+def bucket_blocks(n: int, bucket: int) -> Iterator[tuple[int, int]]:
+    """(start, stop) pairs covering range(n): sub-blocks of whole buckets (about `BLOCK`
+    elements each), then the final partial bucket on its own."""
+    whole = n - n % bucket
+    yield from blocks(whole, bucket * max(1, BLOCK // bucket))
+    if whole < n:
+        yield whole, n
+
+
 def all_finite(a: np.ndarray) -> bool:
     """True if every element of the float array is finite, in one read-only pass.
 

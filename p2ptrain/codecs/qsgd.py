@@ -26,7 +26,15 @@ from typing import ClassVar
 import numpy as np
 
 from p2ptrain.codecs.base import Codec, CodecError, ceil_div, check_decoded_scale, sections
-from p2ptrain.codecs.kernels import BLOCK, all_finite, bit_stream, blocks, scratch, uniform_u16
+from p2ptrain.codecs.kernels import (
+    BLOCK,
+    all_finite,
+    bit_stream,
+    blocks,
+    bucket_blocks,
+    scratch,
+    uniform_u16,
+)
 
 _PARAMS = struct.Struct("<H2xI")  # levels, bucket
 _INFLATE = np.float32(1.0 + 2.0**-10)
@@ -56,13 +64,6 @@ def _unpack_narrow(packed: np.ndarray, bits: int) -> np.ndarray:
             dst = codes[q * lane + start : q * lane + stop]
             np.right_shift(top, np.int8(8 - bits), out=dst)
     return codes
-
-
-def _segments(n: int, bucket: int) -> list[tuple[int, int]]:
-    """Sub-blocks of whole buckets, then the final partial bucket on its own."""
-    whole = n - n % bucket
-    segs = list(blocks(whole, bucket * max(1, BLOCK // bucket)))
-    return segs + [(whole, n)] if whole < n else segs
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,7 @@ class QSGD(Codec):
         if bits < 8:
             packed[:] = 0
         stream = bit_stream(seed)
-        for start, stop in _segments(n, d):
+        for start, stop in bucket_blocks(n, d):
             m = stop - start
             rows = x[start:stop].reshape(ceil_div(m, d), -1)
             nrm = np.sqrt(np.einsum("ij,ij->i", rows, rows)) * _INFLATE
@@ -186,7 +187,7 @@ class QSGD(Codec):
         if _ROW_BUFFER_MIN <= d < np.getbufsize():
             saved = np.setbufsize(d - d % 16)
         try:
-            for start, stop in _segments(n, d):
+            for start, stop in bucket_blocks(n, d):
                 f = factors[start // d : start // d + ceil_div(stop - start, d)]
                 np.copyto(temp[: stop - start], codes[start:stop])  # faster than mixed multiply
                 vals = temp[: stop - start].reshape(f.shape[0], -1)

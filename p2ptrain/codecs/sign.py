@@ -25,14 +25,13 @@ destination.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from p2ptrain.codecs.base import Codec, CodecError, ceil_div, check_decoded_scale, sections
-from p2ptrain.codecs.kernels import BLOCK, all_finite, blocks, scratch
+from p2ptrain.codecs.kernels import BLOCK, all_finite, bucket_blocks, scratch
 
 _PARAMS = struct.Struct("<I4x")  # bucket
 
@@ -46,14 +45,6 @@ def _sign_table() -> np.ndarray:
 
 
 _SIGNS = _sign_table()
-
-
-def _segments(n: int, bucket: int) -> Iterator[tuple[int, int]]:
-    """Sub-blocks of whole buckets (each start a multiple of 8), then the partial last bucket."""
-    whole = n - n % bucket
-    yield from blocks(whole, bucket * max(1, BLOCK // bucket))
-    if whole < n:
-        yield whole, n
 
 
 def _step(n: int, bucket: int) -> int:
@@ -93,7 +84,7 @@ class ScaledSign(Codec):
         step = _step(n, d)
         magnitude = scratch("sign_abs", step, np.float32)
         negative = scratch("sign_neg", step, np.bool_)
-        for start, stop in _segments(n, d):
+        for start, stop in bucket_blocks(n, d):  # each start a multiple of 8
             m = stop - start
             a = magnitude[:m]
             np.abs(x[start:stop], out=a)
@@ -121,7 +112,7 @@ class ScaledSign(Codec):
         factors = scales * np.float32(weight)  # cannot overflow: checked just above
         step = _step(n, d)
         temp = scratch("sign_dec", ceil_div(step, 8) * 8, np.float32)
-        for start, stop in _segments(n, d):
+        for start, stop in bucket_blocks(n, d):  # each start a multiple of 8
             m = stop - start
             signs = temp[: ceil_div(m, 8) * 8].reshape(-1, 8)
             # one +-1.0 row per sign byte ("clip" skips the bounds check: a byte indexes 256)

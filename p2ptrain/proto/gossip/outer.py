@@ -165,35 +165,35 @@ class OuterOptimizer:
         self.feedback.reset()  # (the same vector without rewinding)
 
 
-def outer_step(self: Any, now: float, loss: float,
+def outer_step(trainer: Any, now: float, loss: float,
                targets: Sequence[tuple[str, str]], partners: Sequence[tuple[str, str]],
                out: list[Out]) -> MixReport:
-    """The step of a GossipTrainer (`self`) with `outer_every` > 0: a local step; every
+    """The step of a GossipTrainer (`trainer`) with `outer_every` > 0: a local step; every
     `outer_every` steps also the outer step (above): share the compressed progress with
     `fanout` targets, go back to the round's start, move by the average."""
-    learner, outer = self.learner, self.outer
+    learner, outer = trainer.learner, trainer.outer
     result = learner.apply_gradient(learner.grad, loss)
     report = MixReport(result.grad_norm, 0.0, float(learner.batch), (), 0, 0,
-                       self.mixer.pending)
+                       trainer.mixer.pending)
     if outer.due(learner.step):
         swarm, step = learner.count.total, learner.step
-        weight = min(float(learner.batch * outer.every), self.config.max_sample_weight)
-        chunks = outer.share(learner.grad, sender=self.sender, swarm=swarm, weight=weight,
-                             seed=(self._seed_base + step) % 2**64,
-                             chunk_elems=self.chunk_elems)
-        self.latest = (step, loss, chunks)
+        weight = min(float(learner.batch * outer.every), trainer.config.max_sample_weight)
+        chunks = outer.share(learner.grad, sender=trainer.sender, swarm=swarm, weight=weight,
+                             seed=(trainer._seed_base + step) % 2**64,
+                             chunk_elems=trainer.chunk_elems)
+        trainer.latest = (step, loss, chunks)
         addrs, size = dict(targets), sum(len(c) for c in chunks)
-        for peer in self.peers.choose(addrs, self.config.fanout, self.rng, size):
+        for peer in trainer.peers.choose(addrs, trainer.config.fanout, trainer.rng, size):
             out.extend(Out(peer, addrs[peer], GradientPush(step, loss, c)) for c in chunks)
-            self.stats["outer_pushes"] += 1
-            self.stats["outer_bytes_sent"] += size
-        if self.config.outer_rewind:
+            trainer.stats["outer_pushes"] += 1
+            trainer.stats["outer_bytes_sent"] += size
+        if trainer.config.outer_rewind:
             outer.rewind(learner.params)  # back to the round's start: the anchor
         else:
             outer.give_back(learner.params, learner.grad)
-        report = self.mixer.mix(learner.grad, weight, swarm)
+        report = trainer.mixer.mix(learner.grad, weight, swarm)
         outer.apply(learner.params, learner.grad)
-        self.stats["outer_steps"] += 1
-    self.last_mix = report
-    self._average_if_due(now, partners, out)
+        trainer.stats["outer_steps"] += 1
+    trainer.last_mix = report
+    trainer._average_if_due(now, partners, out)
     return report

@@ -65,6 +65,7 @@ from p2ptrain.codecs.wire import (
     message_size,
     parse_message,
 )
+from p2ptrain.proto.gossip.guard import DistanceGuard
 from p2ptrain.proto.gossip.messages import (
     MAX_CHUNKS,
     TRACK_OK,
@@ -95,7 +96,6 @@ class Copy:
     epoch: int
     seq: int  # the last push applied (whole or in part)
     next_part: int  # the part of push `seq` expected next (0: `seq` is complete)
-    parts: int  # the parts of push `seq`
     vec: np.ndarray  # the copy, float32
     heard: float  # when its last push came
 
@@ -103,7 +103,7 @@ class Copy:
 class Tracker:
     """A node's public copy, its targets and the copies it holds; see the module docstring."""
 
-    def __init__(self, n: int, k: int, gamma: float, warmup: int, guard,
+    def __init__(self, n: int, k: int, gamma: float, warmup: int, guard: DistanceGuard,
                  rng: np.random.Generator, chunk_elems: int, stats: Counter[str]):
         self.n, self.k, self.gamma, self.warmup = int(n), int(k), float(gamma), int(warmup)
         self.guard, self.rng, self.chunk_elems = guard, rng, int(chunk_elems)
@@ -275,7 +275,7 @@ class Tracker:
                 training: bool) -> str:
         """Apply a push `parse` accepted to `sender`'s copy; the ack's status."""
         copy = self.copies.get(sender)
-        if not training or self.k == 0:
+        if not training:
             return TRACK_REFUSED
         new_epoch = body.seq == 1 and body.part == 0
         if copy is not None and copy.epoch == body.epoch and (
@@ -285,7 +285,7 @@ class Tracker:
         elif new_epoch and (copy is not None or self._room(now)):
             vec = copy.vec if copy is not None else np.zeros(self.n, np.float32)
             vec.fill(0.0)
-            copy = self.copies[sender] = Copy(body.epoch, 0, 0, body.parts, vec, now)
+            copy = self.copies[sender] = Copy(body.epoch, 0, 0, vec, now)
             self.stats["track_copies_started"] += 1
         elif copy is None and not new_epoch:
             return TRACK_RESET
@@ -331,7 +331,7 @@ class Tracker:
                 distances.append(d)
                 self.guard.applied(peer, d)
             else:
-                self.stats["track_refused"] += 1
+                self.stats["track_too_far"] += 1  # (the distance guard)
         if not chosen:
             return
         w = np.float32(self.gamma / (len(chosen) + 1))
