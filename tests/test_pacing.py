@@ -113,6 +113,12 @@ async def scenario(tmp: Path) -> tuple[float, float, list[float]]:
         await until("the last heartbeat", lambda: sum(
             kind == "Heartbeat" for kind, _, _ in host.arrivals) == len(sent), 30)
         delays = [t - sent[tag] for kind, tag, t in host.arrivals if kind == "Heartbeat"]
+
+        def counted(kind: str) -> int:  # the outbox counts a body once its response is back
+            return outbox.sent.document().get(kind, {}).get("messages", 0)
+
+        await until("the outbox's count of the last responses", lambda: (
+            counted("GradientPush"), counted("Heartbeat")) == (3, 1 + len(sent)), 30)
         assert outbox.stats.get("failed", 0) == 0, (outbox.stats, outbox.last_error)
         pushes = [push(beat) for beat in (2, 10, 11)]  # every body went over HTTP: counted
         assert outbox.sent.document() == {  # exactly, whole frames and their chunk tails
