@@ -73,7 +73,8 @@ class Swarm:
 def test_copies_equal_their_senders_public_copy_and_replicas_meet(monkeypatch, part_bytes):
     monkeypatch.setattr(tracking, "PART_BYTES", part_bytes)
     swarm = Swarm(3)
-    assert swarm.nodes[IDS[0]].parts == (1 if part_bytes > N * 8 else 3)
+    int8, sign = swarm.nodes[IDS[0]].layouts  # (chunks a part, parts)
+    assert int8[1] == (1 if part_bytes > N * 8 else 3) and sign[1] == 1
     start = swarm.spread()
     swarm.step(0.0)  # every member seen fast: taken on after STEADY seconds
     for t in range(60):
@@ -215,7 +216,7 @@ def test_a_node_that_does_not_track_refuses_a_push_without_calling_it_an_offence
     n = t.n
     sender = _tracker()
     sender.n, sender.bounds = n, [(0, n)]
-    sender.parts, sender.part_chunks = 1, 1
+    sender.layouts = ((1, 1), (1, 1))
     out: list = []
     x = np.ones(n, np.float32)
     sender.after_step(0.0, x, [("b" * 32, "x")], bytes.fromhex("a" * 32), 0, _give_up, out)
@@ -265,10 +266,11 @@ def test_every_part_of_a_100m_push_fits_the_wire():
 
     t = Tracker(100_358_400, 2, 0.5, 4, GossipConfig().distance_guard(),
                 np.random.default_rng(0), 1 << 20, Counter())  # allocates nothing yet
-    assert t.parts > 1  # the int8 first push is ~100 MB
-    per = t.part_chunks
-    for codec in (t.first_codec, t.codec):
-        for part in range(t.parts):
+    assert t.layout(1)[1] > 1  # the int8 first push is ~100 MB
+    assert t.layout(2) == t.layout(9) and t.layout(2)[1] == 1  # a sign push (12.9 MB): one
+    for seq, codec in ((1, t.first_codec), (2, t.codec)):
+        per, parts = t.layout(seq)
+        for part in range(parts):
             sizes = [message_size(codec, n) for _, n in t.bounds[part * per:(part + 1) * per]]
             assert sum(sizes) <= wire.MAX_BLOB and len(sizes) <= 1024
 
@@ -287,7 +289,7 @@ def test_a_node_refuses_a_malformed_push_with_an_ack_at_once():
     c.run_until(6.0)
     node = c.training_node(0)
     assert node.phase == "training"
-    forged = TrackPush(5, 1, (b"not a chunk",), 0, node.trainer.tracker.parts)
+    forged = TrackPush(5, 1, (b"not a chunk",), 0, node.trainer.tracker.layout(1)[1])
     actions = c.inject(0, envelope_from(c, 1, 0, forged), c.nodes[1].info.addr)
     assert [type(a) for a in actions] == [RemoteError, Send]
     ack = actions[1].envelope.body

@@ -110,11 +110,10 @@ class Tracker:
         self.codec = make_codec("sign", bucket=BUCKET)
         self.first_codec = make_codec("int8")  # an epoch's first push: the replica itself
         self.bounds = chunk_bounds(self.n, self.chunk_elems)
-        # parts sized for the bigger (int8) push, so every message fits the wire's bulk tail
-        per_part = max(1, min(MAX_CHUNKS, PART_BYTES // max(1, message_size(
-            self.first_codec, self.bounds[0][1]))))
-        self.part_chunks = per_part
-        self.parts = math.ceil(len(self.bounds) / per_part)
+        # (chunks a part, parts) of an epoch's first push (int8) and of a sign push: each as
+        # few parts as fit the wire's bulk tail -- every part waits for the last one's ack,
+        # and at 100M the int8 push takes 3 parts where a sign push fits one
+        self.layouts = (self._layout(self.first_codec), self._layout(self.codec))
         self.own: np.ndarray | None = None  # h_i
         self.epoch, self.seq = 0, 0  # 0: no epoch yet
         self.restarted = -math.inf
@@ -128,6 +127,15 @@ class Tracker:
         self.copies: dict[str, Copy] = {}
         self.stats = stats  # the trainer's counters
         self.distance: float | None = None  # RMS of h_j - h_i, the last mixed copies' mean
+
+    def _layout(self, codec) -> tuple[int, int]:
+        per = max(1, min(MAX_CHUNKS, PART_BYTES // max(1, message_size(codec,
+                                                                       self.bounds[0][1]))))
+        return per, math.ceil(len(self.bounds) / per)
+
+    def layout(self, seq: int) -> tuple[int, int]:
+        """(chunks a part, parts) of push `seq` of an epoch."""
+        return self.layouts[seq > 1]
 
     # -- the sender ----------------------------------------------------------------------------
 
@@ -207,9 +215,9 @@ class Tracker:
             payload = memoryview(msg)[HEADER_SIZE: HEADER_SIZE + codec.encoded_size(length)]
             codec.decode_into(payload, own[offset:end], 1.0, 0)  # h_i += q, as receivers do
             chunks.append(bytes(msg))
-        per = self.part_chunks
+        per, parts = self.layout(self.seq)
         self.outgoing = [TrackPush(self.epoch, self.seq, tuple(chunks[i * per:(i + 1) * per]),
-                                   i, self.parts) for i in range(self.parts)]
+                                   i, parts) for i in range(parts)]
         for peer, addr in self.targets.items():
             self._send(now, peer, addr, 0, give_up, out)
         self.stats["track_pushes"] += 1
@@ -234,7 +242,7 @@ class Tracker:
         if ack.status != TRACK_OK:
             self._drop(now, peer, f"track_{ack.status}")
             return
-        if ack.part + 1 < self.parts:
+        if ack.part + 1 < len(self.outgoing):
             self._send(now, peer, self.targets[peer], ack.part + 1, give_up, out)
         else:
             del self.cursor[peer]
@@ -253,11 +261,12 @@ class Tracker:
         every chunk, the sign codec, the chunk geometry of this part); CodecError names the
         first defect and nothing changes. Payloads are validated as they are decoded."""
         raw = bytes.fromhex(sender)
-        if body.parts != self.parts:
-            raise CodecError(f"tracking push in {body.parts} parts, this model's in "
-                             f"{self.parts}")
-        first = body.part * self.part_chunks
-        want = self.bounds[first:first + self.part_chunks]
+        per, parts = self.layout(body.seq)
+        if body.parts != parts:
+            raise CodecError(f"tracking push {body.seq} in {body.parts} parts, this model's "
+                             f"in {parts}")
+        first = body.part * per
+        want = self.bounds[first:first + per]
         if len(body.chunks) != len(want):
             raise CodecError(f"tracking part has {len(body.chunks)} chunks, expected "
                              f"{len(want)}")
