@@ -1,0 +1,152 @@
+"""The simulator's own ceiling for a fleet: some machines' replicas mixed perfectly and for free.
+
+    python -m tests.bench.perfectmix [--scenario seed-100m] [--method "gossip, the default"]
+                                     [--devices server[,desktop]] [--weighted] [--start S]
+                                     [--period P] [--only] [--lr 1.2e-2] [--ema 0.99]
+                                     [--warmup 0] [--eval-every 5] [--seeds 1,2,3]
+                                     [--solo [--solo-lr 8e-3]]
+
+Issue 17 asks for a fleet 2x faster than its best single machine. This asks the simulator
+what the best *any* exchange could do there: a scenario's method runs as usual (its links,
+joins, averaging, the leader's replica as the deliverable), and besides, every `--period`
+simulated seconds from `--start` on, the replicas of the machines of the `--devices`
+classes are replaced by their mean (weighted by each machine's sample rate with
+`--weighted`) -- what a perfect all-reduce taking no time and no bytes would give. `--only`
+keeps just those machines in the fleet. `--solo` runs the scenario's server alone too (the
+same settings, or at `--solo-lr`) and prints the ratio of the medians. The mean is taken at
+whatever moment the tick falls, a step in flight included (its gradient was computed on the
+replica before).
+
+`--lr`, `--ema` and `--warmup` replace the scenario's `[train] lr`, `ema` and
+`warmup_samples` (BENCHMARKS §16's fairer reading: the server alone is best with no warm-up
+and `ema = 0.99`); `--eval-every` its evaluation grid. One line per run; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from sims.fleet import Training, World
+from sims.gossip import GossipSim
+from sims.run import SIMULATORS
+from sims.scenario import Method, Scenario, load
+
+
+class PerfectMix(GossipSim):
+    """A gossip run whose `devices` replicas are set to their mean every `period` s."""
+
+    def __init__(self, world: World, method: Method, devices: set[str], period: float,
+                 start: float, weighted: bool):
+        super().__init__(world, method)
+        self.devices, self.period, self.start_at, self.weighted = devices, period, start, weighted
+        self.mixes = 0
+
+    def _mix(self) -> None:
+        up = [m for m in self.machines
+              if m.node is not None and m.member.device.name in self.devices]
+        if len(up) > 1 and self.engine.now >= self.start_at:
+            rates = np.array([m.member.batch / self.world.compute_seconds(m.member)
+                              if self.weighted else 1.0 for m in up])
+            stacked = np.stack([m.node.learner.params for m in up])
+            mean = np.tensordot(rates / rates.sum(), stacked, 1).astype(np.float32)
+            for m in up:
+                m.node.learner.params[:] = mean
+            self.mixes += 1
+        self.engine.after(self.period, self._mix)
+
+    def run(self) -> dict:
+        self.engine.at(0.0, self._mix)
+        return super().run()
+
+
+def variant(scenario: Scenario, args: argparse.Namespace) -> Scenario:
+    train = dict(scenario.train)
+    for key, value in (("lr", args.lr), ("ema", args.ema), ("warmup_samples", args.warmup)):
+        if value is not None:
+            train[key] = value
+    changes = {"train": train, "stop_at_target": True}
+    if args.eval_every is not None:
+        changes["eval_every"] = args.eval_every
+    if args.only:
+        changes["nodes"] = tuple(g for g in scenario.nodes if g.device in args.devices)
+    return scenario.replace(**changes)
+
+
+def run(scenario: Scenario, method: Method, seed: int, args: argparse.Namespace) -> float | None:
+    if "lr" in method.params:  # the server alone at a rate of its own
+        params = dict(method.params)
+        scenario = scenario.replace(train={**scenario.train, "lr": params.pop("lr")})
+        method = Method(method.name, method.kind, params)
+    world = World(scenario, seed, Training(scenario))
+    if method.kind == "gossip" and args.devices:
+        sim = PerfectMix(world, method, set(args.devices), args.period, args.start,
+                         args.weighted)
+    else:
+        sim = SIMULATORS[method.kind](world, method)
+    sim.recorder.stop = world.engine.stop
+    return sim.run()["time_to_target"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", default="seed-100m")
+    parser.add_argument("--method", default="gossip, the default",
+                        help="a gossip method of the scenario, by name")
+    parser.add_argument("--devices", type=lambda s: [d for d in s.split(",") if d],
+                        default=["server"], help="device classes mixed perfectly ('' none)")
+    parser.add_argument("--weighted", action="store_true",
+                        help="mean weighted by each machine's sample rate")
+    parser.add_argument("--start", type=float, default=0.0, help="first mix, simulated s")
+    parser.add_argument("--period", type=float, default=0.28, help="s between mixes")
+    parser.add_argument("--only", action="store_true", help="the fleet is just --devices")
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--ema", type=float)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--eval-every", type=float)
+    parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 2, 3])
+    parser.add_argument("--solo", action="store_true", help="the server alone besides")
+    parser.add_argument("--solo-lr", type=float, help="its learning rate (default: --lr)")
+    args = parser.parse_args(argv)
+    if args.only and not args.devices:
+        parser.error("--only keeps the --devices machines: name at least one class")
+    scenario = variant(load(args.scenario), args)
+    by_name = {m.name: m for m in scenario.methods}
+    if args.method not in by_name or by_name[args.method].kind != "gossip":
+        parser.error(f"no gossip method {args.method!r} in {scenario.name}; its methods: "
+                     + "; ".join(by_name))
+    rows = [("mixed", by_name[args.method])]
+    if args.solo:
+        params = {"device": "server"} | ({"lr": args.solo_lr} if args.solo_lr else {})
+        rows.append(("solo", Method("one server alone", "solo", params)))
+    medians, seen = {}, {}
+    for label, method in rows:
+        times = []
+        for seed in args.seeds:
+            wall = time.monotonic()
+            t = run(scenario, method, seed, args)
+            times.append(t)
+            print(f"{label}: {method.name}, seed {seed}: "
+                  f"{'not reached' if t is None else f'{t:g} s'} "
+                  f"({time.monotonic() - wall:.0f} s wall)", flush=True)
+        seen[label] = " / ".join("-" if t is None else f"{t:g}" for t in times)
+        reached = [t for t in times if t is not None]
+        medians[label] = statistics.median(reached) if len(reached) == len(times) else None
+    what = ("nothing" if not args.devices else
+            f"{','.join(args.devices)} {'rate-weighted ' if args.weighted else ''}mean every "
+            f"{args.period:g} s from {args.start:g} s")
+    print(f"{scenario.name} (lr {scenario.train.get('lr')}, ema {scenario.train.get('ema')}, "
+          f"warm-up {scenario.train.get('warmup_samples')}; perfect mix: {what}"
+          f"{', only those machines' if args.only else ''}): {seen['mixed']} s", end="")
+    if args.solo and medians["mixed"] and medians.get("solo"):
+        print(f"; the server alone {seen['solo']} s: medians "
+              f"{medians['solo'] / medians['mixed']:.2f}x", end="")
+    print()
+
+
+if __name__ == "__main__":
+    main()

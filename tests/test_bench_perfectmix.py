@@ -1,0 +1,73 @@
+"""tests/bench/perfectmix.py: the simulator's ceiling with some replicas mixed perfectly."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from sims.fleet import Training, World
+from sims.scenario import load
+from tests.bench import perfectmix
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(lr=1.2e-2, ema=0.99, warmup=0, eval_every=5.0, only=True, devices=["server"],
+                period=0.28, start=0.0, weighted=False)
+    return argparse.Namespace(**(base | kw))
+
+
+def test_a_mix_sets_the_chosen_replicas_to_their_rate_weighted_mean():
+    args = _args(only=False, devices=["server", "desktop"], weighted=True)
+    scenario = perfectmix.variant(load("seed-100m"), args)
+    assert scenario.train["lr"] == 1.2e-2 and scenario.train["warmup_samples"] == 0
+    world = World(scenario, 1, Training(scenario))
+    method = next(m for m in scenario.methods if m.name == "gossip, the default")
+    sim = perfectmix.PerfectMix(world, method, {"server", "desktop"}, 0.28, 0.0, True)
+    for i in range(len(sim.machines)):
+        sim.start(i)
+    rng = np.random.default_rng(0)
+    for m in sim.machines:
+        m.node.learner.params[:] = rng.standard_normal(len(m.node.learner.params))
+    chosen = [m for m in sim.machines if m.member.device.name in ("server", "desktop")]
+    others = [m.node.learner.params.copy() for m in sim.machines if m not in chosen]
+    rates = np.array([m.member.batch / world.compute_seconds(m.member) for m in chosen])
+    assert len(chosen) == 13 and rates.max() > 2.5 * rates.min()  # a server's and a desktop's
+    want = (rates[:, None] * np.stack([m.node.learner.params for m in chosen])).sum(0)
+    sim._mix()
+    for m in chosen:
+        np.testing.assert_allclose(m.node.learner.params, want / rates.sum(), rtol=1e-5,
+                                   atol=1e-6)
+    after = [m.node.learner.params for m in sim.machines if m not in chosen]
+    assert all(np.array_equal(a, b) for a, b in zip(after, others, strict=True))
+    assert sim.mixes == 1
+
+
+def test_the_servers_mixed_perfectly_reach_the_target_sooner_than_unmixed_and_repeat():
+    args = _args()
+    scenario = perfectmix.variant(load("seed-100m"), args)
+    assert [g.device for g in scenario.nodes] == ["server"] and scenario.stop_at_target
+    method = next(m for m in scenario.methods if m.name == "gossip, the default")
+    mixed = perfectmix.run(scenario, method, 1, args)
+    assert mixed is not None and mixed == perfectmix.run(scenario, method, 1, args)
+    unmixed = perfectmix.run(scenario, method, 1, _args(devices=[]))
+    assert unmixed is not None and mixed < unmixed  # 50 s against 80 s when written
+
+
+def test_the_command_line_prints_each_run_and_the_ratio_to_the_server_alone(capsys):
+    perfectmix.main(["--only", "--seeds", "1", "--lr", "1.2e-2", "--ema", "0.99",
+                     "--warmup", "0", "--eval-every", "5", "--solo", "--solo-lr", "8e-3"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mixed: gossip, the default, seed 1: ")
+    assert out[1].startswith("solo: one server alone, seed 1: ")
+    assert "perfect mix: server mean every 0.28 s from 0 s" in out[2] and out[2].endswith("x")
+
+
+def test_the_command_line_refuses_what_it_cannot_run(capsys):
+    with pytest.raises(SystemExit):
+        perfectmix.main(["--only", "--devices", ""])
+    assert "name at least one class" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        perfectmix.main(["--method", "one server alone"])  # not a gossip method
+    assert "no gossip method" in capsys.readouterr().err
