@@ -14,7 +14,7 @@ from tests.bench import perfectmix
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(lr=1.2e-2, ema=0.99, warmup=0, eval_every=5.0, only=True, devices=["server"],
-                period=0.28, start=0.0, weighted=False)
+                period=0.28, start=0.0, weighted=False, delay=0.0)
     return argparse.Namespace(**(base | kw))
 
 
@@ -41,6 +41,33 @@ def test_a_mix_sets_the_chosen_replicas_to_their_rate_weighted_mean():
                                    atol=1e-6)
     after = [m.node.learner.params for m in sim.machines if m not in chosen]
     assert all(np.array_equal(a, b) for a, b in zip(after, others, strict=True))
+    assert sim.mixes == 1
+
+
+def test_a_late_mix_lands_as_a_move_that_keeps_the_steps_taken_meanwhile():
+    scenario = perfectmix.variant(load("seed-100m"), _args())
+    world = World(scenario, 1, Training(scenario))
+    method = next(m for m in scenario.methods if m.name == "gossip, the default")
+    sim = perfectmix.PerfectMix(world, method, {"server"}, 1.0, 0.0, False, delay=0.5)
+    for i in range(len(sim.machines)):
+        sim.start(i)
+    rng = np.random.default_rng(1)
+    for m in sim.machines:
+        m.node.learner.params[:] = rng.standard_normal(len(m.node.learner.params))
+    snapshots = [m.node.learner.params.copy() for m in sim.machines]
+    later: list = []
+    sim.engine.after = lambda delay, fn, *a: later.append((delay, fn, a))  # held, not run
+    sim._mix()
+    assert [d for d, _, _ in later] == [0.5, 1.0] and sim.mixes == 0  # the landing, the next
+    assert all(np.array_equal(m.node.learner.params, s)
+               for m, s in zip(sim.machines, snapshots, strict=True))  # nothing moved yet
+    step = np.float32(0.25)
+    sim.machines[0].node.learner.params += step  # a step taken while the mix travels
+    _, land, args = later[0]
+    land(*args)
+    mean = np.mean(snapshots, axis=0)
+    np.testing.assert_allclose(sim.machines[0].node.learner.params, mean + step, atol=1e-5)
+    np.testing.assert_allclose(sim.machines[1].node.learner.params, mean, atol=1e-5)
     assert sim.mixes == 1
 
 

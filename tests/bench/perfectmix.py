@@ -2,8 +2,8 @@
 
     python -m tests.bench.perfectmix [--scenario seed-100m] [--method "gossip, the default"]
                                      [--devices server[,desktop]] [--weighted] [--start S]
-                                     [--period P] [--only] [--lr 1.2e-2] [--ema 0.99]
-                                     [--warmup 0] [--eval-every 5] [--seeds 1,2,3]
+                                     [--period P] [--delay D] [--only] [--lr 1.2e-2]
+                                     [--ema 0.99] [--warmup 0] [--eval-every 5] [--seeds 1,2,3]
                                      [--solo [--solo-lr 8e-3]]
 
 Issue 17 asks for a fleet 2x faster than its best single machine. This asks the simulator
@@ -11,11 +11,13 @@ what the best *any* exchange could do there: a scenario's method runs as usual (
 joins, averaging, the leader's replica as the deliverable), and besides, every `--period`
 simulated seconds from `--start` on, the replicas of the machines of the `--devices`
 classes are replaced by their mean (weighted by each machine's sample rate with
-`--weighted`) -- what a perfect all-reduce taking no time and no bytes would give. `--only`
-keeps just those machines in the fleet. `--solo` runs the scenario's server alone too (the
-same settings, or at `--solo-lr`) and prints the ratio of the medians. The mean is taken at
-whatever moment the tick falls, a step in flight included (its gradient was computed on the
-replica before).
+`--weighted`) -- what a perfect all-reduce taking no time and no bytes would give; with
+`--delay D` each lands D seconds later as a move by (mean - its own snapshot), the steps
+taken meanwhile kept (an all-reduce overlapping the next steps, as the product's averaging
+does). `--only` keeps just those machines in the fleet. `--solo` runs the scenario's server
+alone too (the same settings, or at `--solo-lr`) and prints the ratio of the medians. The
+mean is taken at whatever moment the tick falls, a step in flight included (its gradient was
+computed on the replica before).
 
 `--lr`, `--ema` and `--warmup` replace the scenario's `[train] lr`, `ema` and
 `warmup_samples` (BENCHMARKS §16's fairer reading: the server alone is best with no warm-up
@@ -40,9 +42,10 @@ class PerfectMix(GossipSim):
     """A gossip run whose `devices` replicas are set to their mean every `period` s."""
 
     def __init__(self, world: World, method: Method, devices: set[str], period: float,
-                 start: float, weighted: bool):
+                 start: float, weighted: bool, delay: float = 0.0):
         super().__init__(world, method)
         self.devices, self.period, self.start_at, self.weighted = devices, period, start, weighted
+        self.delay = delay
         self.mixes = 0
 
     def _mix(self) -> None:
@@ -53,10 +56,20 @@ class PerfectMix(GossipSim):
                               if self.weighted else 1.0 for m in up])
             stacked = np.stack([m.node.learner.params for m in up])
             mean = np.tensordot(rates / rates.sum(), stacked, 1).astype(np.float32)
-            for m in up:
-                m.node.learner.params[:] = mean
-            self.mixes += 1
+            if self.delay > 0:  # each lands on the mean of the snapshots, its steps since kept
+                moves = [(m, m.generation, mean - row) for m, row in zip(up, stacked, strict=True)]
+                self.engine.after(self.delay, self._land, moves)
+            else:
+                for m in up:
+                    m.node.learner.params[:] = mean
+                self.mixes += 1
         self.engine.after(self.period, self._mix)
+
+    def _land(self, moves: list) -> None:
+        for m, generation, move in moves:
+            if m.node is not None and m.generation == generation:  # not restarted since
+                m.node.learner.params += move
+        self.mixes += 1
 
     def run(self) -> dict:
         self.engine.at(0.0, self._mix)
@@ -84,7 +97,7 @@ def run(scenario: Scenario, method: Method, seed: int, args: argparse.Namespace)
     world = World(scenario, seed, Training(scenario))
     if method.kind == "gossip" and args.devices:
         sim = PerfectMix(world, method, set(args.devices), args.period, args.start,
-                         args.weighted)
+                         args.weighted, args.delay)
     else:
         sim = SIMULATORS[method.kind](world, method)
     sim.recorder.stop = world.engine.stop
@@ -102,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="mean weighted by each machine's sample rate")
     parser.add_argument("--start", type=float, default=0.0, help="first mix, simulated s")
     parser.add_argument("--period", type=float, default=0.28, help="s between mixes")
+    parser.add_argument("--delay", type=float, default=0.0,
+                        help="s from a mix's snapshots to its landing (0: at once)")
     parser.add_argument("--only", action="store_true", help="the fleet is just --devices")
     parser.add_argument("--lr", type=float)
     parser.add_argument("--ema", type=float)
@@ -138,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         medians[label] = statistics.median(reached) if len(reached) == len(times) else None
     what = ("nothing" if not args.devices else
             f"{','.join(args.devices)} {'rate-weighted ' if args.weighted else ''}mean every "
-            f"{args.period:g} s from {args.start:g} s")
+            f"{args.period:g} s from {args.start:g} s"
+            + (f", landing {args.delay:g} s late" if args.delay else ""))
     print(f"{scenario.name} (lr {scenario.train.get('lr')}, ema {scenario.train.get('ema')}, "
           f"warm-up {scenario.train.get('warmup_samples')}; perfect mix: {what}"
           f"{', only those machines' if args.only else ''}): {seen['mixed']} s", end="")
