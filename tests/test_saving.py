@@ -8,6 +8,7 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 from p2ptrain.net.saving import Saver
 
@@ -22,9 +23,18 @@ class FakePlan:
         self.save_seconds = seconds
 
 
+class Snap(NamedTuple):
+    views: str
+    term: int
+
+    @property
+    def step(self) -> int:  # what the write's report names
+        return 7
+
+
 class FakeLearner:
     def snapshot(self, term: int):
-        return ("live views", term)
+        return Snap("live views", term)
 
 
 class FakeReporter:
@@ -71,3 +81,39 @@ def test_a_write_reads_the_live_buffers_and_holds_back_what_would_change_them():
     assert written == [("live views", 1)]
     assert log == [("step", (1, 2.5, None)), ("reading", True), ("reading", False),
                    ("step", (2, 2.4, None))]
+
+
+def test_a_final_save_asked_for_during_a_write_is_written_when_it_ends():
+    """The leader's final checkpoint (the run reached total_samples) while a periodic write
+    runs: not skipped as a periodic one is, but written after it, the held step first."""
+    release = threading.Event()
+    written: list = []
+    log: list = []
+    reporter = FakeReporter()
+
+    def write(snap, progress=None) -> Path:
+        release.wait(5)
+        written.append(snap)
+        return Path(f"ckpt-{len(written)}")
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            saver = Saver(FakeLearner(), write, pool, lambda: 0.0, reporter,
+                          lambda name: log.append(name), lambda _n: None, FakePlan(),
+                          lambda active: log.append(("reading", active)))
+            step_done = saver.after_write(lambda *args: log.append(("step", args)))
+            saver.save(term=3, reason="local")
+            step_done(9, 2.0, None)  # held for the write
+            saver.save(term=3, reason="local")  # a periodic one: skipped
+            saver.save(term=3, final=True, reason="leader")  # the final one: waits
+            release.set()
+            await saver.wait(5)  # the first write, then the final one started from its end
+            assert saver.writing or len(written) == 2
+            await saver.wait(5)
+            assert not saver.writing
+
+    asyncio.run(scenario())
+    assert written == [("live views", 3), ("live views", 3)]
+    assert log == [("reading", True), "checkpoints_skipped_busy", ("reading", False),
+                   ("step", (9, 2.0, None)), ("reading", True), ("reading", False)]
+    assert reporter.lines[-1] == "checkpoint ckpt-2 written in 0.00s (leader, final)"

@@ -6,7 +6,9 @@ The write starts on the event loop between steps and tells the driver (`reading(
 `reading(False)` when it ends): meanwhile the node writes nothing of the replica (averaging
 half steps are held, a finished step waits to be applied) while the next gradient is
 computed. One write at a time: a save asked for while one is running is skipped and counted
-(the next one comes soon). A write that fails (a full disk) is one warning line; training goes on
+(the next one comes soon) -- but for a final one (the leader's at the run's end), which is
+written when that write ends: a periodic write in progress must not cost the run its last
+checkpoint. A write that fails (a full disk) is one warning line; training goes on
 and the save is retried after a back-off that doubles up to RETRY_MAX (any save meanwhile, a
 periodic or a leader's one, takes the retry's place). A driver: threads and files.
 """
@@ -46,6 +48,7 @@ class Saver:
         self._idle = threading.Event()  # no write reads the learner's buffers
         self._idle.set()
         self._after: list[Callable[[], None]] = []  # calls waiting for the write to end
+        self._final: tuple[int, str] | None = None  # (term, reason) of a final save waiting
         self.count = 0  # saves started
         self.failures = 0  # writes failed in a row
         self.retry: asyncio.TimerHandle | None = None  # the retry of a failed write
@@ -58,7 +61,10 @@ class Saver:
     def save(self, term: int, final: bool = False, reason: str = "") -> None:
         """Start writing a checkpoint stamped `term` (skipped if a write is running)."""
         if self.future is not None:
-            self.count_event("checkpoints_skipped_busy")
+            if final:  # written when this write ends (module docstring)
+                self._final = (term, reason)
+            else:
+                self.count_event("checkpoints_skipped_busy")
             return
         if self.retry is not None:  # this save takes the place of a pending retry
             self.retry.cancel()
@@ -90,6 +96,10 @@ class Saver:
                 after, self._after = self._after, []
                 for call in after:  # e.g. a step that ended during the write: applied now
                     call()
+                if self._final is not None:  # then the final save that waited
+                    (term_, reason_), self._final = self._final, None
+                    with contextlib.suppress(RuntimeError):  # the I/O thread is gone
+                        self.save(term_, final=True, reason=reason_)
 
         future.add_done_callback(done)
 
