@@ -22,7 +22,7 @@ from typing import Any
 from p2ptrain.learner import LORA_EMA
 from p2ptrain.models import MODELS, presets
 from p2ptrain.options import option_meta
-from p2ptrain.proto.gossip.config import LORA_AVERAGE_EVERY_FAST, GossipConfig
+from p2ptrain.proto.gossip.config import LORA_AVERAGE_FAST_SHARE, GossipConfig
 from p2ptrain.proto.node import NodeConfig
 from p2ptrain.settings import (
     SECTIONS,
@@ -250,7 +250,7 @@ def resolve(config_file: str | None, env: Mapping[str, str], flags: Mapping[str,
         raise ConfigError("data.holdout_fraction must lie strictly between 0 and 1")
     if values["train.mode"] == "lora":  # LoRA mode's own defaults, where unset
         for key, value in (("train.ema", LORA_EMA),
-                           ("gossip.average_every_fast", LORA_AVERAGE_EVERY_FAST)):
+                           ("gossip.average_fast_share", LORA_AVERAGE_FAST_SHARE)):
             if sources[key] == "default":
                 values[key], sources[key] = value, "default in LoRA mode"
     if not values["train.ema"] < 1.0:

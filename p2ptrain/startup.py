@@ -169,9 +169,10 @@ def averaging_text(settings: Settings, model: Model) -> str:
     why = (f" (auto: {per:,.0f} FLOPs per sample and travelling coordinate, "
            f"{'at least' if plan.fraction >= 1.0 else 'under'} {AUTO_FULL_FLOPS:,.0f})"
            if gossip.averaging == AUTO else "")
-    fast = gossip.average_every_fast
+    fast, share = gossip.average_every_fast, gossip.average_fast_share
+    few = "" if share >= 1 else f" and they are at most {share:.0%} of the members"
     also = ("" if not fast else f", and with one of the swarm's fastest every {fast} "
-            f"step{'s' if fast > 1 else ''} while this node is one of them")
+            f"step{'s' if fast > 1 else ''} while this node is one of them{few}")
     return (f"parameter averaging: {covers} in {plan.values} with one peer every "
             f"{gossip.average_every} steps{also}{why}")
 

@@ -415,7 +415,8 @@ def test_the_start_log_says_what_auto_averaging_resolved_to():
     assert "every coordinate in int8" in averaging_text(settings, heavy)
     off = settings_of(resolve(None, {}, {"gossip.average_every": 0}))
     assert averaging_text(off, model).endswith("off (gossip.average_every = 0)")
-    fixed = settings_of(resolve(None, {}, {"gossip.averaging": "full"}))
+    fixed = settings_of(resolve(None, {}, {"gossip.averaging": "full",
+                                           "gossip.average_every_fast": 0}))
     assert averaging_text(fixed, heavy).endswith("every coordinate in fp32 with one peer every "
                                                  "5 steps")
     tiered = settings_of(resolve(None, {}, {"gossip.subset_fraction": 0.3,
@@ -424,9 +425,10 @@ def test_the_start_log_says_what_auto_averaging_resolved_to():
             "otherwise in int8") in averaging_text(tiered, model)
     assert "subset_fraction_slow is for the subset modes: unused" in averaging_text(
         tiered, heavy)  # auto resolves to every coordinate there
-    assert "fastest" not in text  # average_every_fast: off in full training
-    lora = settings_of(resolve(None, {}, {"train.mode": "lora"}))  # on there unless set
+    assert ("every 5 steps, and with one of the swarm's fastest every 1 step while this node is "
+            "one of them and they are at most 50% of the members (auto") in text  # a fast core
+    lora = settings_of(resolve(None, {}, {"train.mode": "lora"}))  # whatever their share
     assert ("with one peer every 5 steps, and with one of the swarm's fastest every 1 step "
-            "while this node is one of them") in averaging_text(lora, heavy)
+            "while this node is one of them (auto") in averaging_text(lora, heavy)
     assert "every 2 steps while" in averaging_text(settings_of(resolve(
         None, {}, {"gossip.average_every_fast": 2})), model)

@@ -1,9 +1,12 @@
 """Exchanges by pair: two of the swarm's fastest members average `subset_fraction` of the
 coordinates, any other pair the slow share (`gossip.subset_fraction_slow`; the initiator
 marks the seed, the responder follows it), and they may average among themselves more often
-(`gossip.average_every_fast`). Trainers wired in memory, virtual time, rates given."""
+(`gossip.average_every_fast`) while they are a fast core (`gossip.average_fast_share`).
+Trainers wired in memory, virtual time, rates given."""
 
 from __future__ import annotations
+
+import pytest
 
 from p2ptrain.proto.gossip.averaging import read_snapshot
 from p2ptrain.proto.gossip.peers import fast_pair
@@ -78,21 +81,51 @@ def test_the_fastest_average_among_themselves_between_the_exchanges_with_anyone(
     after every step, with another fast member unless the every-5 one is due (any partner
     then); a slow member keeps to every 5; without rates nothing is fast."""
     partners = ((B, "10.0.0.2:7100"), (C, "10.0.0.3:7100"))
-    fast = trainer(A, average_every=5, average_every_fast=1)
+    core = dict(average_every=5, average_every_fast=1, average_fast_share=1.0)  # 2 of 3 fast
+    fast = trainer(A, **core)
     fast.rate_of = RATES.get
     opened = opened_over(fast, 20, partners)
     assert None not in opened
     assert {to for i, to in enumerate(opened) if (i + 1) % 5} == {B}  # C is slow
-    slow = trainer(C, average_every=5, average_every_fast=1)
+    slow = trainer(C, **core)
     slow.rate_of = RATES.get
     others = ((A, "10.0.0.1:7100"), (B, "10.0.0.2:7100"))
     assert [to is not None for to in opened_over(slow, 10, others)] == [False] * 4 + [True] \
         + [False] * 4 + [True]
-    blind = trainer(A, average_every=5, average_every_fast=1)  # no rates observed
+    blind = trainer(A, **core)  # no rates observed
     assert [to is not None for to in opened_over(blind, 5, partners)] == [False] * 4 + [True]
-    off = trainer(A, average_every=5)
+    off = trainer(A, average_every=5, average_every_fast=0)
     off.rate_of = RATES.get
     assert [to is not None for to in opened_over(off, 5, partners)] == [False] * 4 + [True]
-    never = trainer(A, average_every=0, average_every_fast=1)  # averaging off: all of it
+    never = trainer(A, **(core | {"average_every": 0}))  # averaging off: all of it
     never.rate_of = RATES.get
     assert opened_over(never, 5, partners) == [None] * 5
+
+
+def test_only_a_fast_core_averages_among_itself_between_the_exchanges_with_anyone():
+    """By default (`average_every_fast = 1`, `average_fast_share = 0.5`) the fastest average
+    after every step only while they, this node too, are at most half the members it knows:
+    a wired core in a mixed fleet does, a LAN of similar machines keeps to every 5 steps."""
+    from p2ptrain.proto import GossipConfig
+
+    assert GossipConfig().average_every_fast == 1 and GossipConfig().average_fast_share == 0.5
+    d, e = "d" * 32, "e" * 32
+    mixed = ((B, "10.0.0.2:7100"), (C, "10.0.0.3:7100"), (d, "10.0.0.4:7100"),
+             (e, "10.0.0.5:7100"))
+    rates = RATES | {d: 1.0, e: 1.5}  # A and B fast: 2 of 5
+    core = trainer(A, average_every=5)  # the helper's own default is every step
+    core.rate_of = rates.get
+    opened = opened_over(core, 10, mixed)
+    assert None not in opened and {to for i, to in enumerate(opened) if (i + 1) % 5} == {B}
+    similar = {A: 6.0, B: 5.0, C: 5.5}  # all of them fast: 3 of 3
+    lan = trainer(A, average_every=5)
+    lan.rate_of = similar.get
+    partners = ((B, "10.0.0.2:7100"), (C, "10.0.0.3:7100"))
+    assert [to is not None for to in opened_over(lan, 10, partners)] == [False] * 4 + [True] \
+        + [False] * 4 + [True]
+    assert lan.stats["average_fast_not_core"] == 8
+    anyway = trainer(A, average_every=5, average_fast_share=1.0)  # LoRA mode: any share
+    anyway.rate_of = similar.get
+    assert None not in opened_over(anyway, 10, partners)
+    with pytest.raises(ValueError, match="average_fast_share"):
+        GossipConfig(average_fast_share=0.0)

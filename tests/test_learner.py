@@ -129,7 +129,7 @@ def test_with_ema_a_resume_from_our_own_checkpoint_continues_exactly(tmp_path):
 
 def test_lora_mode_averages_the_weights_unless_told_otherwise(tmp_path):
     """Unset, train.ema is 0.99 in LoRA mode and off in full training (and
-    gossip.average_every_fast 1 and off); any source that sets it wins, 0 included, and
+    gossip.average_fast_share 1 and 0.5); any source that sets it wins, 0 included, and
     `config show` says where it came from."""
     from p2ptrain.learner import LORA_EMA
 
@@ -137,12 +137,15 @@ def test_lora_mode_averages_the_weights_unless_told_otherwise(tmp_path):
     assert lora.values["train.ema"] == LORA_EMA == 0.99
     assert lora.sources["train.ema"] == "default in LoRA mode"
     assert resolve(None, {}, {}).values["train.ema"] == 0.0
-    # so do the fastest members' extra exchanges (gossip.average_every_fast)
+    # the fastest members' extra exchanges (gossip.average_every_fast, 1 in both modes): in
+    # LoRA mode whatever share of the members the fastest are, else only for a fast core
+    assert lora.values["gossip.average_fast_share"] == 1.0
+    assert lora.sources["gossip.average_fast_share"] == "default in LoRA mode"
+    assert resolve(None, {}, {}).values["gossip.average_fast_share"] == 0.5
     assert lora.values["gossip.average_every_fast"] == 1
-    assert lora.sources["gossip.average_every_fast"] == "default in LoRA mode"
-    assert resolve(None, {}, {}).values["gossip.average_every_fast"] == 0
-    assert resolve(None, {"P2PTRAIN_GOSSIP_AVERAGE_EVERY_FAST": "0"},
-                   {"train.mode": "lora"}).values["gossip.average_every_fast"] == 0
+    assert resolve(None, {}, {}).values["gossip.average_every_fast"] == 1
+    assert resolve(None, {"P2PTRAIN_GOSSIP_AVERAGE_FAST_SHARE": "0.25"},
+                   {"train.mode": "lora"}).values["gossip.average_fast_share"] == 0.25
     assert resolve(None, {"P2PTRAIN_TRAIN_EMA": "0"},
                    {"train.mode": "lora"}).values["train.ema"] == 0.0
     toml = tmp_path / "c.toml"

@@ -27,14 +27,14 @@ def test_base_scenario_is_inherited_and_overridden(tmp_path):
     assert churn.churn.failures and churn.charge == lora.charge
     # LoRA mode's default average of the weights, on every method, with and without churn
     from p2ptrain.learner import LORA_EMA
-    from p2ptrain.proto.gossip.config import LORA_AVERAGE_EVERY_FAST
+    from p2ptrain.proto.gossip.config import LORA_AVERAGE_FAST_SHARE
 
     for name in ("seed-1b-lora-ema", "seed-1b-lora-ema-churn"):
         ema = load(name)
         assert ema.train["ema"] == LORA_EMA and ema.charge == lora.charge
         assert {m.kind for m in ema.methods} == {"gossip", "coordinator", "allreduce", "solo"}
         assert ema.methods[0].name == "gossip, the default"
-        assert ema.methods[0].params == {"average_every_fast": LORA_AVERAGE_EVERY_FAST}
+        assert ema.methods[0].params == {"average_fast_share": LORA_AVERAGE_FAST_SHARE}
         assert ema.churn.failures == (name.endswith("churn"))
     loop = tmp_path / "loop.toml"
     loop.write_text(f'base = "{loop}"\nname = "loop"\n')

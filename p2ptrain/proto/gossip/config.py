@@ -38,12 +38,16 @@ def flops_per_coordinate(model: Any, n: int) -> float:
     return float(model.flops_per_token()) * int(model.ctx_len) / max(int(n), 1)
 
 
-# `average_every_fast` when unset in LoRA mode (p2ptrain.config; BENCHMARKS §16, 2026-12-03):
-# there an exchange costs little next to a step (auto above), and the fastest members
-# averaging after every step brought the leader's checkpoint to the target 1.11x sooner at
-# 1B-LoRA. Full training keeps it off: at 100M it was 1.17x sooner for 3x the fastest
-# members' bytes, and the default model on the LAN gained nothing for 1.5x the bytes.
-LORA_AVERAGE_EVERY_FAST = 1
+# The fastest members average with each other after every step (`average_every_fast = 1`)
+# while they are at most half the members a node knows (`average_fast_share`): a fast core in
+# a mixed fleet. BENCHMARKS §16, 2026-12-03 late night: at 100M that takes the fleet from
+# level with one server to 1.27x it; with the default model it changed nothing but the
+# bytes (1.5-1.6x the fleet's, most of it among the servers); on a LAN of similar machines,
+# where every node is one of the fastest, it would be every step instead of every 5 for no
+# measured gain, so there it stays off. LoRA mode (p2ptrain.config) takes it whatever the
+# share: an exchange costs little next to a step there (auto above), and on the seed fleet
+# it brought the leader's checkpoint to the target 1.11x sooner at 1B-LoRA.
+LORA_AVERAGE_FAST_SHARE = 1.0
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd", "sign")
 FRACTION_CODECS = ("topk", "randomk")  # codecs that send a share of the coordinates
@@ -65,11 +69,16 @@ class GossipConfig:
     average_every: int = option(5, "local steps between parameter averagings; 0: never",
                                 minimum=0)
     average_every_fast: int = option(
-        0, "local steps between parameter averagings with one of the swarm's fastest members "
+        1, "local steps between parameter averagings with one of the swarm's fastest members "
         "(a sample rate at least half the fastest observed), besides average_every's with "
-        "any: on a node that is one of them (replicas of the fastest kept close); 0: off, "
-        "as it is while average_every is 0. Unset: 1 in LoRA mode, off in full training",
-        minimum=0)
+        "any: on a node that is one of them, while they are at most average_fast_share of "
+        "the members (replicas of a fast core kept close); 0: off, as it is while "
+        "average_every is 0", minimum=0)
+    average_fast_share: float = option(
+        0.5, "average_every_fast's exchanges only while the swarm's fastest members (this "
+        "node among them) are at most this share of the members it knows alive: a fast core "
+        "in a mixed fleet, not every node of a LAN of similar machines; 1: whatever their "
+        "share. Unset: 1 in LoRA mode", minimum=0)
     averaging: str = option(AUTO, "averaging exchange: all coordinates or a seeded subset, "
                             "in fp32, fp16 or int8 (a scale per 256 values); auto: all "
                             "coordinates in int8 (`int8`) when the model computes at least "
@@ -220,6 +229,7 @@ class GossipConfig:
             "queue_bytes": self.queue_bytes >= 1,
             "average_every": self.average_every >= 0,
             "average_every_fast": self.average_every_fast >= 0,
+            "average_fast_share": 0 < self.average_fast_share <= 1,
             "averaging": self.averaging == AUTO or self.averaging in AVERAGING_MODES,
             "subset_fraction": 0.0 < self.subset_fraction <= 1.0,
             "subset_fraction_slow (at most subset_fraction)":
@@ -262,6 +272,11 @@ class GossipConfig:
         (never while averaging is off: `average_every = 0`)."""
         every = self.average_every_fast
         return self.average_every > 0 and every > 0 and step > 0 and step % every == 0
+
+    def fast_core(self, fast: int, members: int) -> bool:
+        """Whether `fast` of the swarm's fastest (this node among them) out of `members`
+        known alive (this node among them) are few enough for their extra exchanges."""
+        return fast <= self.average_fast_share * members
 
     def distance_guard(self) -> DistanceGuard:
         """A fresh guard on averaging snapshots with these bounds."""

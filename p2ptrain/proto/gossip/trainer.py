@@ -359,7 +359,7 @@ class GossipTrainer:
                         out: list[Out]) -> None:
         """After a step: an exchange's part that waited for this boundary, else an averaging
         exchange if one is due -- with any partner every `average_every` steps, with one of
-        the swarm's fastest every `average_every_fast` when this node is one of them."""
+        the swarm's fastest every `average_every_fast` when they, this node too, are few."""
         if self.next_part is not None:
             nxt, self.next_part = self.next_part, None
             self._send_part(now, *nxt, out)
@@ -369,8 +369,10 @@ class GossipTrainer:
             self._begin_average(now, partners, out)
         elif self.config.fast_averaging_due(self.learner.step) and self.rate_of is not None:
             fast = fast_partners(self.node_id, partners, self.rate_of)
-            if fast:
+            if fast and self.config.fast_core(len(fast) + 1, len(partners) + 1):
                 self._begin_average(now, fast, out)
+            elif fast:
+                self.stats["average_fast_not_core"] += 1
 
     def _begin_average(self, now: float, partners: Sequence[tuple[str, str]],
                        out: list[Out]) -> None:
