@@ -39,14 +39,14 @@ def flops_per_coordinate(model: Any, n: int) -> float:
 
 
 # The fastest members average with each other after every step (`average_every_fast = 1`)
-# while they are at most half the members a node knows (`average_fast_share`): a fast core in
-# a mixed fleet. BENCHMARKS §16, 2026-12-03 late night: at 100M that takes the fleet from
-# level with one server to 1.27x it; with the default model it changed nothing but the
-# bytes (1.5-1.6x the fleet's, most of it among the servers); on a LAN of similar machines,
-# where every node is one of the fastest, it would be every step instead of every 5 for no
-# measured gain, so there it stays off. LoRA mode (p2ptrain.config) takes it whatever the
-# share: an exchange costs little next to a step there (auto above), and on the seed fleet
-# it brought the leader's checkpoint to the target 1.11x sooner at 1B-LoRA.
+# while they are at most half the members a node could average with (`average_fast_share`):
+# a fast core in a mixed fleet. BENCHMARKS §16, 2026-12-03 late night: at 100M that takes
+# the fleet from level with one server to 1.27x it; with the default model it changed
+# nothing but the bytes (1.5-1.6x the fleet's, most of it among the servers); on a LAN of
+# similar machines, where every node is one of the fastest, it would be every step instead
+# of every 5 for no measured gain, so there it stays off. LoRA mode (p2ptrain.config) takes
+# it whatever the share: an exchange costs little next to a step there (auto above), and on
+# the seed fleet it brought the leader's checkpoint to the target 1.11x sooner at 1B-LoRA.
 LORA_AVERAGE_FAST_SHARE = 1.0
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "randomk", "qsgd", "sign")
@@ -76,9 +76,10 @@ class GossipConfig:
         "average_every is 0", minimum=0)
     average_fast_share: float = option(
         0.5, "average_every_fast's exchanges only while the swarm's fastest members (this "
-        "node among them) are at most this share of the members it knows alive: a fast core "
-        "in a mixed fleet, not every node of a LAN of similar machines; 1: whatever their "
-        "share. Unset: 1 in LoRA mode", minimum=0)
+        "node among them) are at most this share of the members it could average with "
+        "(alive, accepting connections) and itself: a fast core in a mixed fleet, not every "
+        "node of a LAN of similar machines; 1: whatever their share. Unset: 1 in LoRA mode",
+        minimum=0)
     averaging: str = option(AUTO, "averaging exchange: all coordinates or a seeded subset, "
                             "in fp32, fp16 or int8 (a scale per 256 values); auto: all "
                             "coordinates in int8 (`int8`) when the model computes at least "
