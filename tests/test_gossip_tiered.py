@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from p2ptrain.proto import GossipConfig
 from p2ptrain.proto.gossip.averaging import read_snapshot
 from p2ptrain.proto.gossip.peers import fast_pair
 from p2ptrain.proto.gossip.plan import FAST_PAIR
@@ -106,8 +107,6 @@ def test_only_a_fast_core_averages_among_itself_between_the_exchanges_with_anyon
     """By default (`average_every_fast = 1`, `average_fast_share = 0.5`) the fastest average
     after every step only while they, this node too, are at most half the members it knows:
     a wired core in a mixed fleet does, a LAN of similar machines keeps to every 5 steps."""
-    from p2ptrain.proto import GossipConfig
-
     assert GossipConfig().average_every_fast == 1 and GossipConfig().average_fast_share == 0.5
     d, e = "d" * 32, "e" * 32
     mixed = ((B, "10.0.0.2:7100"), (C, "10.0.0.3:7100"), (d, "10.0.0.4:7100"),

@@ -34,7 +34,7 @@ import numpy as np
 
 from sims.fleet import Training, World
 from sims.gossip import GossipSim
-from sims.run import SIMULATORS
+from sims.run import run_method
 from sims.scenario import Method, Scenario, load
 
 
@@ -90,16 +90,13 @@ def variant(scenario: Scenario, args: argparse.Namespace) -> Scenario:
 
 
 def run(scenario: Scenario, method: Method, seed: int, args: argparse.Namespace) -> float | None:
-    if "lr" in method.params:  # the server alone at a rate of its own
-        params = dict(method.params)
-        scenario = scenario.replace(train={**scenario.train, "lr": params.pop("lr")})
-        method = Method(method.name, method.kind, params)
+    """Time to target of one run (`scenario` stops at the target: `variant`); anything but a
+    gossip method with devices to mix runs as `python -m sims` runs it (a method's own lr)."""
+    if method.kind != "gossip" or not args.devices:
+        return run_method(scenario, method, seed)["time_to_target"]
     world = World(scenario, seed, Training(scenario))
-    if method.kind == "gossip" and args.devices:
-        sim = PerfectMix(world, method, set(args.devices), args.period, args.start,
-                         args.weighted, args.delay)
-    else:
-        sim = SIMULATORS[method.kind](world, method)
+    sim = PerfectMix(world, method, set(args.devices), args.period, args.start, args.weighted,
+                     args.delay)
     sim.recorder.stop = world.engine.stop
     return sim.run()["time_to_target"]
 
