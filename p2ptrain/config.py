@@ -41,6 +41,10 @@ from p2ptrain.settings import (
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
 
+# Options whose default differs in LoRA mode (applied by `resolve` where nothing sets them;
+# `p2ptrain init` leaves them out of swarm.toml unless set, so a later mode change gets them).
+LORA_DEFAULTS = {"train.ema": LORA_EMA, "gossip.average_fast_share": LORA_AVERAGE_FAST_SHARE}
+
 
 class ConfigError(Exception):
     """A configuration value or key is wrong; the message names it and what is accepted."""
@@ -244,13 +248,14 @@ def resolve(config_file: str | None, env: Mapping[str, str], flags: Mapping[str,
         sources[option.key] = f"env {name}"
     for key, raw in flags.items():
         option = OPTIONS[key]
-        values[key] = option.parse(raw, f"flag {option.flag}")
-        sources[key] = f"flag {option.flag}"
+        # a bool option without a flag of its own is switched off by --no-NAME (--no-mdns)
+        flag = option.flag or f"--no-{key.rpartition('.')[2]}"
+        values[key] = option.parse(raw, f"flag {flag}")
+        sources[key] = f"flag {flag}"
     if not 0.0 < values["data.holdout_fraction"] < 1.0:
         raise ConfigError("data.holdout_fraction must lie strictly between 0 and 1")
     if values["train.mode"] == "lora":  # LoRA mode's own defaults, where unset
-        for key, value in (("train.ema", LORA_EMA),
-                           ("gossip.average_fast_share", LORA_AVERAGE_FAST_SHARE)):
+        for key, value in LORA_DEFAULTS.items():
             if sources[key] == "default":
                 values[key], sources[key] = value, "default in LoRA mode"
     if not values["train.ema"] < 1.0:

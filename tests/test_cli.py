@@ -175,3 +175,39 @@ def test_checkpoint_fetch_without_a_token_says_it_looked_for_the_demo_swarm(tmp_
                 env=cli_env(P2PTRAIN_NET_MDNS="false"), timeout=60)  # no mDNS: nothing leaves
     assert r.returncode == 2 and "no --token or --config" in r.stderr, r.stderr
     assert "give your swarm's token or config" in r.stderr
+
+
+def test_init_leaves_lora_mode_defaults_unset_so_a_later_mode_gets_its_own(tmp_path):
+    """swarm.toml from `init` must not pin full training's ema and fast share: a swarm
+    switched to LoRA mode later (flag or file) gets LoRA mode's defaults, and a value the
+    user set is written as set."""
+    import tomllib
+
+    assert run_cli("init", "--out", str(tmp_path / "sw"), timeout=60).returncode == 0
+    conf = tmp_path / "sw" / "swarm.toml"
+    assert "ema" not in tomllib.loads(conf.read_text())["train"]
+    conf = str(conf)
+
+    def shown(*extra):
+        r = run_cli("config", "show", "--config", *extra, timeout=60)
+        assert r.returncode == 0, r.stderr
+        t = tomllib.loads(r.stdout)
+        return t["train"]["ema"], t["gossip"]["average_fast_share"]
+
+    assert shown(conf) == (0.0, 0.5)
+    assert shown(conf, "--mode", "lora") == (0.99, 1.0)
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[train]\nema = 0.95\n")
+    assert run_cli("init", "--config", str(mine), "--out", str(tmp_path / "sw2"),
+                   timeout=60).returncode == 0
+    conf2 = tmp_path / "sw2" / "swarm.toml"
+    assert tomllib.loads(conf2.read_text())["train"]["ema"] == 0.95
+    conf2 = str(conf2)
+    assert shown(conf2, "--mode", "lora") == (0.95, 1.0)
+
+
+def test_config_show_takes_every_join_flag_no_mdns_too():
+    r = run_cli("config", "show", "--no-mdns", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert any(line.startswith("mdns = false") and line.endswith("# flag --no-mdns")
+               for line in r.stdout.splitlines()), r.stdout

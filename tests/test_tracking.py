@@ -42,12 +42,13 @@ class Swarm:
         base = rng.standard_normal(N).astype(np.float32)  # replicas of one start, drifted
         self.params = {i: base + np.float32(0.01) * rng.standard_normal(N).astype(np.float32)
                        for i in self.ids}
+        self.unseen: dict[str, set[str]] = {}  # member -> members it does not see as fast
 
     def step(self, now: float, deliver: bool = True) -> list:
         pending = []
         for me, node in self.nodes.items():
             out: list = []
-            fast = [(p, p) for p in self.ids if p != me]
+            fast = [(p, p) for p in self.ids if p != me and p not in self.unseen.get(me, ())]
             node.after_step(now, self.params[me], fast, bytes.fromhex(me), 0, _give_up, out)
             pending += [(me, o) for o in out]
         while deliver and pending:
@@ -304,3 +305,31 @@ def test_a_push_waits_for_its_ack_a_bounded_time():
     t.after_step(0.0, np.ones(N, np.float32), fast, bytes(16), 0, lambda p, s: 1e6, out, 0.5)
     t.after_step(STEADY, np.ones(N, np.float32), fast, bytes(16), 0, lambda p, s: 1e6, out, 0.5)
     assert t.next_deadline() == STEADY + max(tracking.GIVE_UP_MIN, tracking.GIVE_UP_STEPS * 0.5)
+
+
+def test_a_node_that_stopped_pushing_stops_mixing_and_its_replica_stays_put():
+    """Its h_i frozen, each mix's h_j - h_i would add its own steps since again: a member
+    it no longer takes as a target (rates seen differently from each side) but that still
+    pushes to it must not run its replica away (found by review: RMS gap 0.005 -> 7)."""
+    swarm = Swarm(2)
+    a, b = IDS[:2]
+    g = np.float32(1e-3) * np.random.default_rng(5).standard_normal(N).astype(np.float32)
+    t = 0.0
+    for _ in range(40):  # both push and mix, training alike
+        for p in swarm.params.values():
+            p += g
+        swarm.step(t)
+        t += 0.25
+    assert swarm.nodes[a].stats["track_mixes"] > 0
+    warm_gap = float(np.sqrt(np.mean((swarm.params[a] - swarm.params[b]) ** 2)))
+    swarm.unseen[a] = {b}  # a no longer sees b as fast; b still pushes to a
+    for _ in range(200):
+        for p in swarm.params.values():
+            p += g
+        swarm.step(t)
+        t += 0.25
+    node = swarm.nodes[a]
+    assert not node.targets and b in node.copies and t - node.copies[b].heard <= 0.25
+    assert node.stats["track_own_stale"] > 0
+    gap = float(np.sqrt(np.mean((swarm.params[a] - swarm.params[b]) ** 2)))
+    assert gap < 3 * warm_gap + 1e-3, (warm_gap, gap)

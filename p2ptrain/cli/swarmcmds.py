@@ -25,6 +25,7 @@ from p2ptrain.cli.peers import candidates as _candidates
 from p2ptrain.cli.peers import get_json as _get_json
 from p2ptrain.cli.peers import throwaway_signer
 from p2ptrain.config import (
+    LORA_DEFAULTS,
     OPTIONS,
     SWARM_KEY_PREFIXES,
     Config,
@@ -183,6 +184,12 @@ def _swarm_toml(cfg: Config, name: str) -> str:
         value = cfg[key]
         text = (("true" if value else "false") if isinstance(value, bool)
                 else json.dumps(value) if isinstance(value, str) else repr(value))
+        if key in LORA_DEFAULTS and cfg.sources[key].startswith("default"):
+            # unset: written as a comment, so the mode (also a later change) picks it
+            text = (f"{OPTIONS[key].default!r}  # unset: {OPTIONS[key].default!r} in full "
+                    f"training, {LORA_DEFAULTS[key]!r} in LoRA mode")
+            lines.append(f"# {field} = {text}")
+            continue
         lines.append(f"{field} = {text}")
     return "\n".join(lines) + "\n"
 

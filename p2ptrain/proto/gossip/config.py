@@ -131,7 +131,7 @@ class GossipConfig:
                                         "when > 0, a fixed bound in swarm samples that "
                                         "replaces the one in seconds; 0: not set", minimum=0)
     error_feedback: bool = option(True, "keep a residual for biased codecs (topk, int8, "
-                                  "randomk)")
+                                  "randomk, sign)")
     clip_multiple: float = option(3.0, "peer gradients are clipped to this many times the "
                                   "median recent norm", minimum=0)
     norm_window: int = option(32, "recent gradient norms (own and peers') the median is "

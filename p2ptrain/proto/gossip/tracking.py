@@ -22,7 +22,9 @@ step:
    `track_warmup` pushes into their epoch, as h_i must be), fresh (pushed to within
    `STALE_SECONDS`, or `STALE_STEPS` of this node's steps: a sender that dropped this node
    leaves a copy that no longer follows it) and pass the distance guard (the RMS of
-   h_j - h_i, judged as averaging snapshots are).
+   h_j - h_i, judged as averaging snapshots are) -- and only while h_i itself is as fresh
+   (this node has targets and pushed within the same bound: a frozen h_i would make every
+   mix add x_i's own steps since again, and the replica run away).
 
 Copies start with their sender's epoch: its first push is the replica itself in int8 (a
 scale per 256 values; 1 byte a coordinate, once an epoch), and the sign pushes after it close
@@ -117,6 +119,7 @@ class Tracker:
         self.own: np.ndarray | None = None  # h_i
         self.epoch, self.seq = 0, 0  # 0: no epoch yet
         self.restarted = -math.inf
+        self.pushed_at = -math.inf  # when h_i last moved (a push went out)
         self.step_seconds = 0.0
         self.targets: dict[str, str] = {}  # member -> addr
         self.cursor: dict[str, tuple[int, float]] = {}  # target -> (part awaited, give-up)
@@ -204,6 +207,7 @@ class Tracker:
     def _push(self, now: float, params: np.ndarray, sender: bytes, swarm: int,
               give_up: Callable[[str, int], float], out: list[Out]) -> None:
         self.seq += 1
+        self.pushed_at = now
         own, codec = self.own, self.codec if self.seq > 1 else self.first_codec
         header = Origin(sender, swarm, 1.0)
         chunks: list[bytes] = []
@@ -330,6 +334,12 @@ class Tracker:
         if own is None or self.seq < self.warmup:
             return
         fresh = max(STALE_SECONDS, STALE_STEPS * self.step_seconds)
+        if not self.targets or now - self.pushed_at > fresh:
+            # h_i no longer follows x_i (no targets, or a push awaiting its ack past the
+            # staleness bound): each mix's h_j - h_i would carry x_i's own steps since, and
+            # the sum of them runs the replica away
+            self.stats["track_own_stale"] += 1
+            return
         warm = [(p, c) for p, c in self.copies.items()  # a sender that stopped pushing
                 if c.seq >= self.warmup and c.next_part == 0 and now - c.heard <= fresh]
         chosen, distances = [], []
