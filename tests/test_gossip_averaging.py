@@ -335,3 +335,27 @@ def test_a_plan_with_a_slow_share_reads_it_from_the_seed_and_both_sides_agree():
             AveragingPlan(N, fraction=0.3, slow_fraction=bad)
     with pytest.raises(ValueError, match="subset_fraction_slow"):
         GossipConfig(subset_fraction=0.1, subset_fraction_slow=0.2)
+
+
+@pytest.mark.parametrize("mode", ["full", "int8"])
+def test_a_spike_on_a_few_coordinates_moves_them_no_more_than_the_peak_bound(mode):
+    """The guard judges an exchange by its RMS distance, which a peer can keep small while
+    putting any value on a few coordinates: no coordinate moves by more than PEAK_RATIO x
+    the distance, the same clip on both sides (their sum kept), honest ones untouched."""
+    from p2ptrain.proto.gossip.averaging import PEAK_RATIO
+
+    n = 1 << 22
+    plan = AveragingPlan.from_mode(n, mode, 0.3)
+    av_a, av_b = ParameterAverager(plan, chunk_elems=1 << 16), ParameterAverager(plan, 1 << 16)
+    xa = params(1, n)
+    xb = xa + np.float32(0.01) * params(2, n)  # an honest drift
+    xb[100] += np.float32(1e3)  # and a spike: a move of 500 at pull 1/2 unclipped
+    total = xa.astype(np.float64) + xb
+    report, _ = exchange(av_a, av_b, xa, xb, 3)
+    bound = 0.5 * PEAK_RATIO * report.distance * (1 + 1e-5)
+    moved = np.abs(xa - params(1, n))
+    assert moved[100] <= bound < 50  # the spike clipped: the RMS is ~0.5
+    honest = np.ones(n, bool)
+    honest[:256] = False  # (in int8 the spike's scale block rounds coarsely: left out)
+    assert moved[honest].max() < 0.1  # the honest coordinates met halfway as ever
+    np.testing.assert_allclose(xa.astype(np.float64) + xb, total, rtol=0, atol=1e-2)

@@ -7,8 +7,10 @@ sides add exactly opposite float32 values (`fl(a - b) == -fl(b - a)`, halving is
 pair's sum is preserved up to the rounding of the final additions. (Weighted by sample rates,
 `pull_share`, each side moves by its peer's share instead.) With fp16 or int8 values a side
 rounds its own snapshot through the codec exactly as the peer will decode it, so both work
-from the same two rounded snapshots. Which coordinates an exchange covers, and how its values
-travel, is its plan's (`plan.py`).
+from the same two rounded snapshots. No coordinate moves by more than `PEAK_RATIO` times the
+exchange's RMS distance (a clip, the same on both sides): the distance guard judges the RMS,
+which a peer could otherwise keep small while putting any value on a few coordinates.
+Which coordinates an exchange covers, and how its values travel, is its plan's (`plan.py`).
 
 Sequence, initiator:  begin(params, seed) -> send messages() -> finish(params, reply).
 Sequence, responder:  respond(params, request) -> (report, reply): it applies at once.
@@ -37,6 +39,10 @@ from p2ptrain.codecs.wire import Origin, chunk_bounds, encode_chunk
 from p2ptrain.proto.gossip.plan import AveragingPlan
 
 _MASK64 = (1 << 64) - 1
+# a coordinate's move is clipped to this many times the exchange's RMS distance: honest
+# exchanges measured up to 23x (seed-fleet's) and 48x (seed-1b-lora-ema's; BENCHMARKS 16),
+# a spike on a few coordinates of a vector of n is up to sqrt(n)x
+PEAK_RATIO = 128.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +227,8 @@ class ParameterAverager:
         except CodecError:
             self.abort()
             raise
+        peak = np.float32(PEAK_RATIO * distance)
+        np.clip(diff, -peak, peak, out=diff)  # symmetric: the peer clips -diff alike
         diff *= np.float32(-pull)  # now (peer - mine) * pull; exact for 1/2
         if held is not None:
             held.add(self._runs, self._lo, diff)

@@ -22,7 +22,8 @@ step:
    `track_warmup` pushes into their epoch, as h_i must be), fresh (pushed to within
    `STALE_SECONDS`, or `STALE_STEPS` of this node's steps: a sender that dropped this node
    leaves a copy that no longer follows it) and pass the distance guard (the RMS of
-   h_j - h_i, judged as averaging snapshots are) -- and only while h_i itself is as fresh
+   h_j - h_i, judged as averaging snapshots are; each coordinate's term clipped as
+   averaging's) -- and only while h_i itself is as fresh
    (this node has targets and pushed within the same bound: a frozen h_i would make every
    mix add x_i's own steps since again, and the replica run away).
 
@@ -67,6 +68,7 @@ from p2ptrain.codecs.wire import (
     message_size,
     parse_message,
 )
+from p2ptrain.proto.gossip.averaging import PEAK_RATIO
 from p2ptrain.proto.gossip.guard import DistanceGuard
 from p2ptrain.proto.gossip.messages import (
     MAX_CHUNKS,
@@ -346,7 +348,7 @@ class Tracker:
         for peer, copy in warm:
             d = self._rms(copy.vec, own)
             if self.guard.judge(peer, d) is None:
-                chosen.append(copy)
+                chosen.append((copy, np.float32(PEAK_RATIO * d)))
                 distances.append(d)
                 self.guard.applied(peer, d)
             else:
@@ -357,8 +359,9 @@ class Tracker:
         for offset, length in self.bounds:  # a chunk at a time: no vector-sized temporaries
             end = offset + length
             h = own[offset:end]
-            for copy in chosen:
+            for copy, peak in chosen:
                 diff = copy.vec[offset:end] - h
+                np.clip(diff, -peak, peak, out=diff)  # as averaging: no spike on a few
                 diff *= w
                 params[offset:end] += diff
         self.distance = float(np.mean(distances))
