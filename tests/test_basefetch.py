@@ -172,3 +172,20 @@ def test_a_node_with_only_the_base_id_fetches_it_and_trains(base, tmp_path):
         assert fetched.id == base.id
         assert (fetched.path / BASE_FILE).read_bytes() == (base.path / BASE_FILE).read_bytes()
         assert joiner.status()["members"] and all(p.alive() for p in [*holders, joiner])
+
+
+def test_a_damaged_base_on_disk_is_a_clear_error_not_a_traceback(tmp_path):
+    import types
+
+    from p2ptrain.cli.basejoin import missing_base
+    from p2ptrain.errors import UserError
+
+    cfg = RWKVConfig(vocab_size=256, n_layer=1, n_embd=16, ctx_len=16)
+    made = base_from_init(cfg, 0, tmp_path / "bases")
+    f = made.path / BASE_FILE
+    f.write_bytes(f.read_bytes()[:100])  # a bad disk: truncated
+    settings = types.SimpleNamespace(
+        lora=types.SimpleNamespace(base=made.id), init_from="",
+        train=types.SimpleNamespace(mode="lora"), host=types.SimpleNamespace(state_dir=tmp_path))
+    with pytest.raises(UserError, match="damaged: remove its directory"):
+        missing_base(settings)

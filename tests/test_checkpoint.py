@@ -94,3 +94,55 @@ def test_loading_refuses_a_shape_mismatch_before_writing(setup):
     with pytest.raises(checkpoint.CheckpointError, match="expected"):
         checkpoint.load_tensors(path, checkpoint.MODEL_FILE, other.views(out))
     assert not out.any()
+
+
+def test_a_header_shape_whose_size_overflows_int64_is_refused(setup):
+    """numpy's int64 product wraps ([2**62, 4] -> 0 bytes) or raises OverflowError past the
+    readers' except clauses (a joiner's fetch task died, the join stuck in FETCHING)."""
+    import struct
+
+    space, params, ident, root = setup
+    path = checkpoint.save(root, make_snapshot(space, params, 1), ident, keep=3)
+    for shape in ([2**62, 4], [2**64]):
+        hdr = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}})
+        (path / checkpoint.MODEL_FILE).write_bytes(struct.pack("<Q", len(hdr)) + hdr.encode())
+        with pytest.raises(checkpoint.CheckpointError):
+            checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(space.zeros()))
+
+
+def test_pruning_keeps_the_checkpoint_just_written_below_a_damaged_newer_one(setup):
+    space, params, ident, root = setup
+    checkpoint.save(root, make_snapshot(space, params, 100), ident, keep=3)
+    bad = checkpoint.save(root, make_snapshot(space, params, 200), ident, keep=3)
+    model = bad / checkpoint.MODEL_FILE
+    model.write_bytes(model.read_bytes()[:50])  # a bad disk
+    found = checkpoint.find_latest(root, "fp1")
+    assert found.path.name.endswith("s0000000100") and found.skipped
+    written = checkpoint.save(root, make_snapshot(space, params, 150), ident, keep=1)
+    assert written.exists()
+    assert checkpoint.find_latest(root, "fp1").path == written
+
+
+def test_a_crash_while_one_checkpoint_replaces_another_of_its_name_loses_neither(
+        setup, monkeypatch):
+    """The same (term, step) saved again: the old one is set aside, not deleted, until the
+    new one is in place; a crash in between leaves it to be put back at the next start."""
+    import os
+
+    space, params, ident, root = setup
+    first = checkpoint.save(root, make_snapshot(space, params, 4), ident, keep=1)
+    real_rename = os.rename
+
+    def crash_on_second(src, dst):
+        if str(src).rpartition("/")[2].startswith(".tmp-ckpt-"):
+            raise KeyboardInterrupt  # the process dies before the new one is in place
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(root, make_snapshot(space, params, 4), ident, keep=1)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert not first.exists()  # set aside
+    stale = checkpoint.stale_temporaries(root)  # what the next start does first
+    assert first.exists() and not any(p.name.startswith(".old-") for p in stale)
+    assert checkpoint.find_latest(root, "fp1").path == first

@@ -3,6 +3,7 @@ clipping, refusals and weighted average."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
 
 import numpy as np
@@ -280,3 +281,36 @@ def test_every_node_mixes_gradients_from_several_peers():
             swarm += 8
     for name in names:
         assert len(mixers[name].used) >= 2, name
+
+
+def test_chunks_of_one_vector_must_share_one_tiling():
+    """The wire checks each chunk against *some* tiling; two with the same count but
+    another chunk size overlap, and the vector would look complete with coordinates twice."""
+    mixer = GradientMixer(GossipConfig(**LOOSE), N)
+    v = np.ones(N, np.float32)
+    a, b = msgs(v, 9, 7, 1.0, chunk=999), msgs(v, 9, 7, 1.0, chunk=600)  # 2 chunks each
+    assert mixer.receive(a[0], 0) is Arrival.PENDING
+    with pytest.raises(CodecError, match="disagrees"):
+        mixer.receive(b[1], 0)
+    assert mixer.receive(a[1], 0) is Arrival.COMPLETE
+
+
+def test_one_sender_has_one_vote_in_the_median_norm():
+    """A member that sends many vectors under distinct counts cannot set the median: not
+    down (zero vectors: every honest peer refused as absurd) nor up (a huge one let through)."""
+    mixer = GradientMixer(GossipConfig(), N)  # norm_window 32, clip 3x, absurd 1000x
+    for _ in range(4):
+        mixer.mix(grad(0), 8.0, 0)  # own norm ~31.6
+    for k in range(40):  # zero vectors, tiny weight, distinct keys
+        send(mixer, msgs(np.zeros(N, np.float32), 9, 1000 + k, 1e-6), 0)
+    assert mixer.norms.count(0.0) == 1
+    assert send(mixer, msgs(grad(1), 1, 5, 8.0), 0) is Arrival.COMPLETE  # honest, accepted
+    for k in range(40):  # then ever larger ones, each under the limit of the moment
+        limit = 900 * float(np.median(mixer.norms))
+        x = grad(2)
+        x *= np.float32(limit / np.linalg.norm(x))
+        with contextlib.suppress(CodecError):  # (one above the limit is refused: fine)
+            send(mixer, msgs(x, 9, 5000 + k, 1e-6), 0)
+    assert np.median(mixer.norms) < 100  # the own norms and the honest peer's hold it
+    report = mixer.mix(grad(3), 8.0, 0)
+    assert all(p.norm * p.scale < 100 for p in report.peers)  # clipped to 3x the median

@@ -89,3 +89,28 @@ def test_a_state_that_is_not_finite_or_does_not_fit_is_refused(tmp_path):
     assert state_arrays("junk", meta["n"]) is None
     assert fresh.restore({"meta": meta, "arrays": good})
     np.testing.assert_array_equal(fresh.feedback.values(), before.outer.feedback.values())
+
+
+def test_a_trainer_rebuilt_mid_round_takes_the_old_ones_outer_state_over(tmp_path):
+    """Becoming outbound-only builds a new node, so a new trainer, over the same learner:
+    the round's progress and what it owes must go along (the runtime hands them over), or
+    the steps before the switch are never shared nor rewound."""
+    _, before, _ = saved_outer(tmp_path)
+    progress, owed = before.outer.progress.values(), before.outer.feedback.values()
+    assert progress.any() and owed.any()
+    before.learner.outer_saved = before.outer.handover()  # what the runtime does
+    after = GossipTrainer(before.config, before.learner, np.random.default_rng(6),
+                          average_timeout=90.0, chunk_elems=1 << 12)
+    assert after.outer.restored
+    np.testing.assert_array_equal(after.outer.progress.values(), progress)
+    np.testing.assert_array_equal(after.outer.feedback.values(), owed)
+
+
+def test_a_replica_replaced_by_a_fetched_checkpoint_forgets_its_outer_round(tmp_path):
+    """Adopting the leader's checkpoint (Node._adopt_counts: close(replaced=True)): the old
+    replica's round must not be rewound from, nor its debt shared, on the adopted weights."""
+    _, t, _ = saved_outer(tmp_path)
+    t.close()  # stopping keeps it (a final checkpoint may carry it)
+    assert t.outer.progress.values().any() and t.outer.feedback.values().any()
+    t.close(replaced=True)
+    assert not t.outer.progress.values().any() and not t.outer.feedback.values().any()

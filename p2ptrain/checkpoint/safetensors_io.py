@@ -13,6 +13,7 @@ A header read from disk is hostile until checked: its size, every dtype, shape a
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -180,7 +181,9 @@ def read_header(f) -> tuple[dict, int]:
         if not (isinstance(offs, list) and len(offs) == 2
                 and all(isinstance(o, int) for o in offs) and 0 <= offs[0] <= offs[1] <= data_size):
             raise SafetensorsError(f"tensor {name!r}: data offsets {offs!r} out of range")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * storage_dtype(entry["dtype"]).itemsize
+        # Python ints: exact for any shape a header may claim (numpy's int64 product wraps
+        # or overflows, e.g. [2**62, 4] -> 0 bytes)
+        nbytes = math.prod(shape) * storage_dtype(entry["dtype"]).itemsize
         if offs[1] - offs[0] != nbytes:
             raise SafetensorsError(f"tensor {name!r}: offsets do not match shape {shape}")
         spans.append((offs[0], offs[1]))

@@ -47,6 +47,7 @@ MIN_WRITE_CHUNK = 256 * 2**10  # the smallest chunk the store writes
 CHUNKS_WANTED = 64  # a file is cut into at least this many chunks while they stay >= the min
 NAME_RE = re.compile(r"ckpt-t([0-9]{6,})-s([0-9]{10,})")  # use with fullmatch
 TMP_PREFIX = ".tmp-ckpt-"
+OLD_PREFIX = ".old-ckpt-"  # a checkpoint set aside while one of its name replaces it
 STATE_META_KEY = "p2ptrain.state"
 TOKENIZER_META_KEY = "p2ptrain.tokenizer"  # model.safetensors metadata: the tokenizers document
 
@@ -83,10 +84,17 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def stale_temporaries(root: Path) -> list[Path]:
-    """Partial checkpoints left by a crash in the middle of a write."""
+    """Partial checkpoints left by a crash in the middle of a write, after putting back a
+    checkpoint set aside for a replacement that a crash kept from its place."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX))
+    for p in root.iterdir():
+        name = p.name[len(OLD_PREFIX):]
+        if (p.name.startswith(OLD_PREFIX) and NAME_RE.fullmatch(name)
+                and not (root / name).exists()):
+            os.rename(p, root / name)
+    return sorted(p for p in root.iterdir()
+                  if p.name.startswith(TMP_PREFIX) or p.name.startswith(OLD_PREFIX))
 
 
 def chunk_size_for(nbytes: int) -> int:
@@ -138,16 +146,21 @@ def save(
                                   for name, d in digests.items()})
         atomic_write_bytes(tmp / MANIFEST_FILE, manifest.encode())
         fsync_dir(tmp)
-        if final.exists():  # the same (term, step) again: replace it
-            shutil.rmtree(final)
+        aside = root / f"{OLD_PREFIX}{final.name}"
+        if final.exists():  # the same (term, step) again: set aside, never none on disk
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
         os.rename(tmp, final)
         fsync_dir(root)
+        shutil.rmtree(aside, ignore_errors=True)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back at once
         if isinstance(exc, OSError) and exc.filename is None:  # say which disk
             raise OSError(exc.errno, exc.strerror, str(root)) from exc
         raise
-    for old in list_checkpoints(root)[keep:]:
+    # the one just written always stays: a damaged newer one (skipped at the start, left on
+    # disk) must not make every new checkpoint the first pruned
+    for old in [p for p in list_checkpoints(root) if p != final][max(keep - 1, 0):]:
         if pinned is None or not pinned(old.name):  # e.g. being fetched right now
             shutil.rmtree(old, ignore_errors=True)
     return final

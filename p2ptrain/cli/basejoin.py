@@ -15,6 +15,7 @@ from p2ptrain.statelock import lock_state_dir
 
 def missing_base(settings) -> str | None:
     """The base id the settings name when this node's state directory lacks it."""
+    from p2ptrain.lora.basefile import BaseError
     from p2ptrain.lora.setup import BaseMissing, bases_root, find_base, is_base_id
 
     source = settings.lora.base or settings.init_from
@@ -24,6 +25,9 @@ def missing_base(settings) -> str | None:
         find_base(source, [bases_root(settings.host.state_dir)])
     except BaseMissing:
         return source
+    except BaseError as exc:  # on disk but unreadable: a bad disk, an interrupted copy
+        raise UserError(f"{exc}\nthe base in {bases_root(settings.host.state_dir)} is "
+                        f"damaged: remove its directory and join again to fetch it") from None
     return None
 
 

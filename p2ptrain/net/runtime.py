@@ -261,6 +261,8 @@ class Runtime:
         self.outbox.signer = self.signer
         self.me = dataclasses.replace(self.me, outbound_only=True)
         self.steps.parked = None  # the old node's step; the new node asks for its own
+        if old.trainer.outer is not None:  # the round's progress and what it owes go along
+            self.learner.outer_saved = old.trainer.outer.handover()
         self.node = self._make_node(joined=old.join.done)
         if self.saver.writing:  # the new node must hold its writes too
             self.handle(proto.Reading(True))

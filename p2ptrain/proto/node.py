@@ -271,7 +271,7 @@ class Node:
         bounded like any peer's (entries above what the sample guard admits now are lowered
         to it, entries of non-members dropped) -- a hostile leader's checkpoint cannot end the
         run or jump the schedule."""
-        self.trainer.close()
+        self.trainer.close(replaced=True)
         self.learner.count.merge(self.control.admit_samples(dict(counts)))
 
     def _swarm_loss(self, judged: str | None) -> float | None:  # not the judged leader's

@@ -134,8 +134,9 @@ class GossipConfig:
                                   "randomk, sign)")
     clip_multiple: float = option(3.0, "peer gradients are clipped to this many times the "
                                   "median recent norm", minimum=0)
-    norm_window: int = option(32, "recent gradient norms (own and peers') the median is "
-                              "taken over", minimum=1)
+    norm_window: int = option(32, "the median norm is taken over the own gradient's last "
+                              "this many norms and the latest of as many peers (one each)",
+                              minimum=1)
     absurd_norm_multiple: float = option(1000.0, "peer gradients above this many times the "
                                          "median norm are refused", minimum=0)
     max_norm: float = option(1e6, "peer gradients above this norm are refused, whatever the "

@@ -21,7 +21,10 @@ steps are measured nothing is dropped as stale. The deprecated `max_staleness_sa
 replaces it with a fixed count, as before.
 
 Clipping: each peer gradient is scaled down to `clip_multiple` times the median of a small
-window of recent norms (the own gradient's at every mix and every accepted peer's). A norm that
+window of recent norms: the own gradient's at its last `norm_window` mixes, and each peer's
+latest accepted one (one vote a sender, its last `norm_window` senders: a member that sends
+many vectors under distinct counts cannot set the median, down to refuse every honest peer or
+up to pass a huge one). A norm that
 is not finite, above `max_norm`, or above `absurd_norm_multiple` times that median is refused.
 
 This file never sends anything, never reads the clock, never draws random numbers and never
@@ -152,11 +155,20 @@ class MixReport:
         return frozenset(p.sender for p in self.peers)
 
 
+def _nominal(m: Message) -> int:
+    """The nominal chunk length of the tiling a chunk belongs to (the wire checks that each
+    chunk belongs to *some* tiling; chunks of one vector must belong to the same one, or
+    some coordinates would be covered twice)."""
+    if m.chunk_count > 1 and m.chunk_index == m.chunk_count - 1:
+        return m.chunk_offset // (m.chunk_count - 1)
+    return m.chunk_length
+
+
 class _Pending:
     """One peer gradient waiting: its chunk messages so far and what they add up to."""
 
     __slots__ = ("sender", "sender_samples", "origin", "weight", "codec", "chunk_count",
-                 "chunks", "sq_norm", "nbytes", "seq")
+                 "nominal", "chunks", "sq_norm", "nbytes", "seq")
 
     def __init__(self, msg: Message, receiver_samples: int, seq: int):
         self.sender = msg.sender_id
@@ -166,6 +178,7 @@ class _Pending:
         self.weight = msg.weight
         self.codec = msg.codec
         self.chunk_count = msg.chunk_count
+        self.nominal = _nominal(msg)  # the chunk size its tiling was made with
         self.chunks: dict[int, Message] = {}
         self.sq_norm = 0.0
         self.nbytes = 0
@@ -190,7 +203,8 @@ class GradientMixer:
         self._pending: dict[tuple[bytes, int], _Pending] = {}
         self._bytes = 0  # wire bytes held by _pending
         self._seq = 0
-        self._norms: deque[float] = deque(maxlen=config.norm_window)
+        self._own_norms: deque[float] = deque(maxlen=config.norm_window)
+        self._peer_norms: dict[bytes, float] = {}  # sender -> its latest, oldest first
         self._scratch = np.zeros(0, np.float32)  # chunk-sized, for norms of dense payloads
         self.drops: Counter[str] = Counter()  # stale, full, incomplete, malformed, norm
         self.used: Counter[bytes] = Counter()  # peer gradients mixed in, per sender
@@ -269,7 +283,10 @@ class GradientMixer:
         except CodecError:
             self._remove(key)
             raise
-        self._norms.append(entry.norm)
+        self._peer_norms.pop(entry.sender, None)  # one vote a sender: its latest
+        self._peer_norms[entry.sender] = entry.norm
+        if len(self._peer_norms) > self.config.norm_window:
+            del self._peer_norms[next(iter(self._peer_norms))]
         return Arrival.COMPLETE
 
     def _check_header(self, m: Message, entry: _Pending | None) -> None:
@@ -281,7 +298,7 @@ class GradientMixer:
         if entry is None:
             return
         if (m.codec != entry.codec or m.weight != entry.weight
-                or m.chunk_count != entry.chunk_count):
+                or m.chunk_count != entry.chunk_count or _nominal(m) != entry.nominal):
             raise CodecError("chunk disagrees with earlier chunks of the same gradient")
         if m.chunk_index in entry.chunks:
             raise CodecError(f"duplicate chunk {m.chunk_index} of one gradient")
@@ -299,9 +316,9 @@ class GradientMixer:
             return float(np.dot(s, s))
 
     def _norm_limit(self) -> float:
-        if not self._norms:
+        if not self._own_norms and not self._peer_norms:
             return self.config.max_norm
-        median = statistics.median(self._norms)
+        median = statistics.median(self.norms)
         return min(self.config.max_norm, self.config.absurd_norm_multiple * median)
 
     def _check_norm(self, norm: float) -> None:
@@ -354,8 +371,8 @@ class GradientMixer:
         own_norm = math.sqrt(float(np.dot(grad, grad)))
         if not math.isfinite(own_norm):
             raise ValueError("own gradient is not finite")
-        self._norms.append(own_norm)
-        clip_norm = self.config.clip_multiple * statistics.median(self._norms)
+        self._own_norms.append(own_norm)
+        clip_norm = self.config.clip_multiple * statistics.median(self.norms)
         used: list[tuple[_Pending, int]] = []
         stale = incomplete = 0
         bound = self.max_staleness
@@ -399,8 +416,9 @@ class GradientMixer:
 
     @property
     def norms(self) -> tuple[float, ...]:
-        """The window of recent gradient norms, oldest first."""
-        return tuple(self._norms)
+        """The norms the median is taken over: the own recent ones, oldest first, then each
+        peer's latest, oldest sender first."""
+        return (*self._own_norms, *self._peer_norms.values())
 
     def clear(self) -> None:
         """Forget every waiting gradient (e.g. after the replica was replaced); not counted

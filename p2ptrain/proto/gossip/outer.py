@@ -80,6 +80,12 @@ class OuterOptimizer:
             arrays.append((f"{OUTER}.progress.bits", self.progress.bits))
         return describe(self.feedback, self.rewinds, self.n), arrays
 
+    def handover(self) -> dict[str, Any]:
+        """Its vectors in `restore`'s form, for the optimiser of a new trainer over the same
+        learner (a node rebuilt mid-round, e.g. on becoming outbound-only)."""
+        meta, arrays = self.state()
+        return {"meta": meta, "arrays": dict(arrays)}
+
     def restore(self, saved: Mapping[str, Any]) -> bool:
         """Adopt a checkpoint's vectors (`saved`: {"meta", "arrays"}, read into
         `state_arrays(meta, n)`); False, and nothing changed, unless they are this

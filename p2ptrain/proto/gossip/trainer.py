@@ -32,8 +32,7 @@ and at most `average_timeout_max`); a part given up lowers that peer's bandwidth
 the next one waits longer. No part is sent once the exchange has run `average_timeout_max`.
 
 Tracking (`track_peers` > 0, tracking.py): after each step the node also pushes the sign of
-its replica minus its public copy to the fastest members and moves toward its copies of
-theirs (`track_step`).
+its replica minus its public copy to the fastest and moves toward its copies (`track_step`).
 
 Outbound-only peers: nobody may connect to them, so they are never push targets or averaging
 partners; they start exchanges themselves, and a push from one is answered with this node's
@@ -438,12 +437,14 @@ class GossipTrainer:
             self.peers.observe_shortfall(ex.peer, 2 * ex.sent, now - ex.started)
             self.stats["average_timeout"] += 1
 
-    def close(self) -> None:
-        """Stop: forget the open exchange and held results (nothing more is applied)."""
+    def close(self, replaced: bool = False) -> None:
+        """Stop: forget the open exchange and held results; `replaced`: the outer round too."""
         self.exchange = None
         self.next_part = None
         self.held.clear()
         self.initiator.abort()
         self.mixer.clear()
+        if replaced and self.outer is not None:
+            self.outer.reset()
         if self.tracker is not None:
             self.tracker.close()
