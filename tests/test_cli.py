@@ -211,3 +211,34 @@ def test_config_show_takes_every_join_flag_no_mdns_too():
     assert r.returncode == 0, r.stderr
     assert any(line.startswith("mdns = false") and line.endswith("# flag --no-mdns")
                for line in r.stdout.splitlines()), r.stdout
+
+
+@pytest.mark.parametrize("status", ["<html>not json</html>", '{"leader": "a", "members": 7}',
+                                    '{"leader": ["a"], "node_id": "a", "holds": "x"}'])
+def test_checkpoint_fetch_from_a_host_answering_nonsense_says_so(tmp_path, status):
+    """/v1/status needs no key, so anything on the LAN may answer it: a clear error, no
+    traceback."""
+    assert run_cli("init", "--out", str(tmp_path / "sw"), timeout=60).returncode == 0
+    (tmp_path / "www" / "v1").mkdir(parents=True)
+    (tmp_path / "www" / "v1" / "status").write_text(status)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
+                               "--directory", str(tmp_path / "www"), str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        r = run_cli("checkpoint", "fetch", "--peer", f"127.0.0.1:{port}", "--config",
+                    str(tmp_path / "sw" / "swarm.toml"), "--timeout", "2", "--out",
+                    str(tmp_path / "out"), timeout=60)
+    finally:
+        server.kill()
+        server.wait()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "no leader of swarm" in r.stderr, r.stderr

@@ -60,7 +60,10 @@ async def get_json(session: aiohttp.ClientSession, url: str) -> dict:
     async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
         if resp.status != 200:
             raise UserError(f"{url}: HTTP {resp.status}")
-        doc = await resp.json(content_type=None)
+        try:
+            doc = await resp.json(content_type=None)
+        except ValueError:  # not JSON (/v1/status needs no key: anything may answer)
+            raise UserError(f"{url}: not a status document (not JSON)") from None
         if not isinstance(doc, dict):
             raise UserError(f"{url}: not a status document")
         return doc

@@ -271,16 +271,21 @@ def cmd_status(args) -> int:
 def _sources(doc: dict, addr: str, leader_only: bool) -> list[str]:
     """From one node's status: the leader's address first, then every member that says it
     holds the same checkpoint (its `holds` digest) and accepts connections."""
-    leader = doc.get("leader")
-    rows = [{**doc, "addr": addr}, *[m for m in doc.get("members", []) if isinstance(m, dict)]]
-    lead = next((r for r in rows if r.get("node_id") == leader and r.get("addr")), None)
+    leader, members = doc.get("leader"), doc.get("members")
+    # /v1/status needs no key, so anything may answer it: every field is checked
+    rows = [{**doc, "addr": addr}, *[m for m in (members if isinstance(members, list) else [])
+                                     if isinstance(m, dict)]]
+    rows = [r for r in rows if isinstance(r.get("addr"), str) and r["addr"]]
+    digest_of = lambda r: (r.get("holds") if isinstance(r.get("holds"), dict)  # noqa: E731
+                           else {}).get("digest")
+    lead = next((r for r in rows if isinstance(leader, str) and r.get("node_id") == leader),
+                None)
     if lead is None:
         return []
-    digest = (lead.get("holds") or {}).get("digest")
+    digest = digest_of(lead)
     others = [] if leader_only or digest is None else [
-        r["addr"] for r in rows if r is not lead and isinstance(r.get("addr"), str)
-        and (r.get("holds") or {}).get("digest") == digest and not r.get("outbound_only")
-        and r.get("state", "alive") == "alive"]
+        r["addr"] for r in rows if r is not lead and digest_of(r) == digest
+        and not r.get("outbound_only") and r.get("state", "alive") == "alive"]
     return [lead["addr"], *others]
 
 
