@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tests.helpers import REPO, cli_env, run_cli
+from tests.swarmlab import wait_for
 
 pytestmark = [pytest.mark.processes]
 
@@ -228,12 +229,11 @@ def test_checkpoint_fetch_from_a_host_answering_nonsense_says_so(tmp_path, statu
                                "--directory", str(tmp_path / "www"), str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # until it listens
+        def listening() -> bool:
             with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_for("the status server to listen", listening, timeout=30)
         r = run_cli("checkpoint", "fetch", "--peer", f"127.0.0.1:{port}", "--config",
                     str(tmp_path / "sw" / "swarm.toml"), "--timeout", "2", "--out",
                     str(tmp_path / "out"), timeout=60)

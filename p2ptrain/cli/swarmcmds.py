@@ -185,12 +185,11 @@ def _swarm_toml(cfg: Config, name: str) -> str:
         text = (("true" if value else "false") if isinstance(value, bool)
                 else json.dumps(value) if isinstance(value, str) else repr(value))
         if key in LORA_DEFAULTS and cfg.sources[key].startswith("default"):
-            # unset: written as a comment, so the mode (also a later change) picks it
-            text = (f"{OPTIONS[key].default!r}  # unset: {OPTIONS[key].default!r} in full "
-                    f"training, {LORA_DEFAULTS[key]!r} in LoRA mode")
-            lines.append(f"# {field} = {text}")
-            continue
-        lines.append(f"{field} = {text}")
+            # unset: a comment, so the mode (also a later change) picks the default
+            lines.append(f"# {field} = {OPTIONS[key].default!r}  # unset: this in full "
+                         f"training, {LORA_DEFAULTS[key]!r} in LoRA mode")
+        else:
+            lines.append(f"{field} = {text}")
     return "\n".join(lines) + "\n"
 
 
@@ -268,6 +267,12 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _digest(row: dict) -> object:
+    """The digest of the checkpoint a status row says it holds (None if it says none)."""
+    holds = row.get("holds")
+    return holds.get("digest") if isinstance(holds, dict) else None
+
+
 def _sources(doc: dict, addr: str, leader_only: bool) -> list[str]:
     """From one node's status: the leader's address first, then every member that says it
     holds the same checkpoint (its `holds` digest) and accepts connections."""
@@ -276,15 +281,13 @@ def _sources(doc: dict, addr: str, leader_only: bool) -> list[str]:
     rows = [{**doc, "addr": addr}, *[m for m in (members if isinstance(members, list) else [])
                                      if isinstance(m, dict)]]
     rows = [r for r in rows if isinstance(r.get("addr"), str) and r["addr"]]
-    digest_of = lambda r: (r.get("holds") if isinstance(r.get("holds"), dict)  # noqa: E731
-                           else {}).get("digest")
     lead = next((r for r in rows if isinstance(leader, str) and r.get("node_id") == leader),
                 None)
     if lead is None:
         return []
-    digest = digest_of(lead)
+    digest = _digest(lead)
     others = [] if leader_only or digest is None else [
-        r["addr"] for r in rows if r is not lead and digest_of(r) == digest
+        r["addr"] for r in rows if r is not lead and _digest(r) == digest
         and not r.get("outbound_only") and r.get("state", "alive") == "alive"]
     return [lead["addr"], *others]
 

@@ -24,8 +24,8 @@ Clipping: each peer gradient is scaled down to `clip_multiple` times the median 
 window of recent norms: the own gradient's at its last `norm_window` mixes, and each peer's
 latest accepted one (one vote a sender, its last `norm_window` senders: a member that sends
 many vectors under distinct counts cannot set the median, down to refuse every honest peer or
-up to pass a huge one). A norm that
-is not finite, above `max_norm`, or above `absurd_norm_multiple` times that median is refused.
+up to pass a huge one). A norm that is not finite, above `max_norm`, or above
+`absurd_norm_multiple` times that median is refused.
 
 This file never sends anything, never reads the clock, never draws random numbers and never
 does I/O. Not thread-safe: call `receive` and `mix` from one thread (the protocol loop).
