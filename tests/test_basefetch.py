@@ -17,6 +17,7 @@ from aiohttp import web
 from p2ptrain.lora import basefile
 from p2ptrain.lora.basefile import BASE_FILE, base_from_init, read_base, verify_base
 from p2ptrain.models.rwkv import RWKVConfig
+from p2ptrain.net import basefetch
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.basefetch import fetch_base
 from p2ptrain.net.baseserve import BaseServing, add_base_routes
@@ -59,14 +60,16 @@ class Server:
         self.served += n
 
 
-def fetch(servers: list[Server], base_id: str, out: Path, addrs: list[str] | None = None):
+def fetch(servers: list[Server], base_id: str, out: Path, addrs: list[str] | None = None,
+          bound: float | None = None):
     async def run():
         try:
             for s in servers:
                 await s.start()
             async with aiohttp.ClientSession() as session:
-                return await fetch_base(session, addrs or [s.addr for s in servers],
-                                        Signer(KEY, secrets.token_hex(16), 1), base_id, out)
+                return await asyncio.wait_for(fetch_base(
+                    session, addrs or [s.addr for s in servers],
+                    Signer(KEY, secrets.token_hex(16), 1), base_id, out), bound)
         finally:
             for s in servers:
                 if s.runner is not None:
@@ -114,6 +117,19 @@ def test_a_broken_off_fetch_resumes_where_it_stopped(base, tmp_path):
     verify_base(got)
     assert 0 < honest.served < base.size  # only what the first fetch did not get right
     assert not partial.exists()
+
+
+def test_servers_trickling_bytes_cannot_hold_the_fetch(base, tmp_path, monkeypatch):
+    """Two servers sending ~0.5 KB/s (a 16 KiB chunk in ~100 s; the read timeout never
+    fires) start first; each of their requests is given up at its allowance and the honest
+    server serves the rest. Without the allowance the fetch waits for the tricklers."""
+    monkeypatch.setattr(basefetch, "GRACE", 1.0)  # a 16 KiB chunk: 1 s + 1 s at MIN_RATE
+    tricklers = [Server({base.id: base.path}, rate=500) for _ in range(2)]
+    honest = Server({base.id: base.path}, rate=4e6)
+
+    got = fetch([*tricklers, honest], base.id, tmp_path / "bases", bound=120)
+    verify_base(got)
+    assert honest.served >= base.size - 2 * 3 * 16 * 1024, (honest.served, base.size)
 
 
 def test_another_base_or_none_is_refused(base, tmp_path):

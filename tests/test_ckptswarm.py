@@ -331,6 +331,34 @@ def test_chunks_in_flight_are_bounded_however_many_holders(tmp_path):
     assert sum(1 for n in got.served.values() if n) >= 4
 
 
+def test_holders_trickling_bytes_cannot_hold_every_slot(tmp_path, monkeypatch):
+    """Four holders sending ~1 KB/s (a slice every few seconds: the read timeout never fires)
+    take all twelve slots first; each request is given up at its allowance, and the honest
+    holder, waiting for a slot, serves the checkpoint. Without the allowance this fetch takes
+    minutes (~200 s a chunk from a trickler)."""
+    monkeypatch.setattr(fetchmod, "GRACE", 1.0)  # a 64 KiB chunk: 1 s + 4 s at MIN_RATE
+    path, manifest = make_checkpoint(tmp_path / "lead", tmp_path)
+    honest = Holder("honest", path.parent, TokenBucket(1e6))
+    tricklers = [Holder(f"t{i}", tmp_path / f"t{i}", TokenBucket(1000)) for i in range(4)]
+    for t in tricklers:
+        copy_to(path, t.root)
+    holders = [*tricklers, honest]  # the tricklers' workers queue for the slots first
+
+    async def run():
+        async with running(holders), aiohttp.ClientSession() as session:
+            return await asyncio.wait_for(fetch_checkpoint(
+                session, [h.addr for h in holders], signer(), tmp_path / "out",
+                expected_leader=manifest.leader, seed=4), 120)
+
+    got = asyncio.run(run())
+    assert same_files(got.path, path)
+    n = len(manifest.chunks())  # a trickler's burst may carry a short last chunk
+    assert sum(got.served.values()) == n and got.served[honest.addr] >= n - 4, got.served
+    assert sum(t.chunk_requests for t in tricklers) >= fetchmod.MAX_IN_FLIGHT
+    for t in tricklers:
+        assert t.addr not in got.dropped or "not in after" in got.dropped[t.addr], got.dropped
+
+
 def test_pruning_spares_checkpoints_being_fetched_but_only_a_few(tmp_path):
     root = tmp_path / "ck"
     ident = load_or_create(tmp_path / "id")

@@ -10,7 +10,8 @@ id known in advance.
    chunk in flight is held in memory), each source taking the next chunk as soon as one of
    its requests ends (fast links take more). Each answer's MAC, Content-Range and xxh3_64
    are checked before the chunk is written in place.
-3. A transport error, 5xx or bad MAC puts the chunk back and rests the source; SOURCE_FAILURES
+3. A transport error, 5xx, bad MAC or a chunk not in within its allowance (fetch.py's GRACE
+   and floor rate) puts the chunk back and rests the source; SOURCE_FAILURES
    in a row drop it. A source serving bytes that do not match is dropped at once. No source
    left, or a chunk that failed RETRIES times, ends the fetch with every source's story.
 4. The file is written into out_root/.partial-base-<id>/, fsynced with the manifest, and
@@ -22,6 +23,7 @@ id known in advance.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -44,8 +46,11 @@ from p2ptrain.net.auth import Signer
 from p2ptrain.net.fetch import (
     BACKOFF,
     BACKOFF_MAX,
+    GRACE,
     IN_FLIGHT,
     MAX_IN_FLIGHT,
+    MIN_RATE,
+    RATE_SPREAD,
     SOURCE_FAILURES,
     FetchError,
     Source,
@@ -182,6 +187,23 @@ async def _chunks(sources: list[Source], base_id: str, target: Path, size: int, 
                         f"its manifest")
         await asyncio.to_thread(write_chunk, target, first, body)
 
+    async def timed(src: Source, i: int) -> None:
+        """`one`, given up past its allowance (fetch.py's rule: a source trickling bytes
+        never times out, and the chunk it holds would hold up the end of the fetch)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        floor = max(MIN_RATE, max(s.rate for s in sources) / RATE_SPREAD)
+        length = min(size, (i + 1) * chunk) - i * chunk
+        try:
+            async with asyncio.timeout(GRACE + length / floor):
+                await one(src, i)
+        except TimeoutError:
+            src.rate = min(src.rate or math.inf, length / (loop.time() - started))
+            raise _Retry(f"chunk {i} not in after {loop.time() - started:.0f} s (the floor: "
+                         f"{floor / 1024:.0f} KiB/s)") from None
+        sample = length / max(loop.time() - started, 1e-6)
+        src.rate = sample if src.rate == 0 else 0.7 * src.rate + 0.3 * sample
+
     async def worker(src: Source) -> None:
         while not src.dropped and not failed:
             try:
@@ -190,7 +212,7 @@ async def _chunks(sources: list[Source], base_id: str, target: Path, size: int, 
                 return
             async with slots:
                 try:
-                    await one(src, i)
+                    await timed(src, i)
                 except (_Retry, _Drop) as exc:
                     todo.put_nowait(i)
                     tries[i] += 1

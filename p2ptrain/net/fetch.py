@@ -18,8 +18,11 @@
    stealing); at the tail an idle source duplicates a chunk still in flight elsewhere when
    it would likely finish it sooner, and the first copy to arrive wins. Each answer's MAC and
    the chunk's xxh3_64 are checked before it is written.
-4. Failures: a transport error, a 5xx or a bad MAC backs the source off (doubling from
-   BACKOFF) and puts the chunk back for anyone; SOURCE_FAILURES in a row drop the source.
+4. Failures: a transport error, a 5xx, a bad MAC or a chunk not in within its allowance
+   (GRACE plus its bytes at a floor rate that follows the fastest source: a source trickling
+   a byte a minute never times out, and would hold the slots) backs the source off
+   (doubling from BACKOFF) and puts the chunk back for anyone; SOURCE_FAILURES in a row drop
+   the source.
    A source whose authentic answer carries bytes that do not match the manifest is named
    and dropped at once (its disk rotted, or it lies). "Not held here" (a partial holder)
    only takes the chunk off that source's list. A chunk that failed `chunk_retries + 1`
@@ -76,6 +79,11 @@ BACKOFF, BACKOFF_MAX = 0.25, 8.0  # s a failing source rests: doubles per failur
 REFRESH = 1.0  # s between asking a partial holder which chunks it has now
 SOURCE_POLL = 2.0  # s between looks at `more_sources`
 NOT_HELD_GRACE = 30.0  # s a source that holds none of the checkpoint yet is asked again
+# one chunk request is given up (and counts as a failure) after GRACE s plus its bytes at
+# max(MIN_RATE, the fastest source's rate / RATE_SPREAD): 4 MiB at 16 KiB/s is ~4.5 min
+GRACE = 15.0
+MIN_RATE = 16 * 1024
+RATE_SPREAD = 32
 
 __all__ = ["PARTIAL_PREFIX", "FetchError", "Fetched", "NoCheckpoint", "check_answer",
            "fetch_checkpoint", "fetch_latest"]
@@ -411,7 +419,7 @@ class _Run:
                     task = asyncio.ensure_future(self._attempt(src, chunk))
                     self.inflight.setdefault(chunk, {})[src] = (task, started)
                     try:
-                        await asyncio.wait({task})
+                        too_slow = await self._watch(task, chunk, started)
                     finally:
                         task.cancel()
                         holders = self.inflight.get(chunk)
@@ -425,6 +433,12 @@ class _Run:
                 else:
                     await self.wait(REFRESH)
                 continue
+            if too_slow:
+                seconds = loop.time() - started
+                self._measured(src, chunk.length / max(seconds, 1e-6))  # an upper bound
+                self._failed(src, chunk, _Retry(too_slow), loop.time())
+                self.notify()
+                continue
             if task.cancelled():
                 continue  # another source delivered it first
             exc = task.exception()
@@ -433,6 +447,27 @@ class _Run:
             else:
                 self._failed(src, chunk, exc, loop.time())
             self.notify()
+
+    async def _watch(self, task: asyncio.Task, chunk: mf.Chunk, started: float) -> str:
+        """Wait for `task`; past its allowance (GRACE plus the chunk at the floor rate, which
+        follows the fastest source) cancel it and say why ("" when it ended by itself)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            floor = self._floor()
+            left = started + GRACE + chunk.length / floor - loop.time()
+            if left <= 0:
+                task.cancel()
+                return (f"chunk {chunk.index} of {chunk.file} not in after "
+                        f"{loop.time() - started:.0f} s (the floor: {floor / 1024:.0f} KiB/s)")
+            done, _ = await asyncio.wait({task}, timeout=min(left, REFRESH))
+            if done:
+                return ""
+
+    def _floor(self) -> float:
+        """Bytes/s under which one request is given up: a trickling source holding the slots
+        would stall the fetch (it never times out while a byte comes every minute)."""
+        best = max((s.rate for s in self.usable()), default=0.0)
+        return max(MIN_RATE, best / RATE_SPREAD)
 
     def _slow(self, src: Source) -> bool:
         """Whether `src` is measured at under half the rate of the fastest source."""
@@ -452,10 +487,13 @@ class _Run:
         await _learn(src, self.manifest, asyncio.get_running_loop().time())
         self.notify()
 
+    @staticmethod
+    def _measured(src: Source, sample: float) -> None:
+        src.rate = sample if src.rate == 0 else 0.7 * src.rate + 0.3 * sample
+
     def _completed(self, src: Source, chunk: mf.Chunk, seconds: float) -> None:
         src.failures = 0
-        sample = chunk.length / max(seconds, 1e-6)
-        src.rate = sample if src.rate == 0 else 0.7 * src.rate + 0.3 * sample
+        self._measured(src, chunk.length / max(seconds, 1e-6))
         if chunk not in self.todo:
             return  # a duplicate finished a moment after the first copy
         self.todo.discard(chunk)
