@@ -64,7 +64,7 @@ from p2ptrain.proto.messages import (
     Yield,
 )
 from p2ptrain.proto.messages import Leave as LeaveBody
-from p2ptrain.proto.records import ALIVE, MemberInfo
+from p2ptrain.proto.records import ALIVE, LeaderView, MemberInfo
 
 
 class Control:
@@ -274,8 +274,7 @@ class Control:
         header, body, membership = message.header, message.body, self.membership
         membership.on_header(now, header, actions)
         view = header.view
-        if view is not None and known and (view.leader == self.me.node_id
-                                           or view.leader in membership.table.members):
+        if view is not None and known and self._followable(view, header.sender):
             self.election.observe(now, view, header.sender, addr, msgs, actions)
         if isinstance(body, Resign):
             self.election.on_resign(now, header.sender, body.term)
@@ -300,8 +299,6 @@ class Control:
         if claims and (view is None or view.leader != header.sender):
             return f"{type(body).__name__} without the sender's own claim"
         step, term = self.config.max_epoch_step, self.election.term
-        if view is not None and view.leader == header.sender and view.term > term + step:
-            return f"claim of term {view.term}: more than {step} above term {term}"
         if isinstance(body, Yield) and max(body.term, body.winner_term) > term + step:
             return f"yield of term {body.term}: more than {step} above term {term}"
         ceiling = self.membership.table.ceiling
@@ -317,6 +314,21 @@ class Control:
             ):
                 return "claim priority disagrees with the member's record"
         return None
+
+    def _followable(self, view: LeaderView, sender: str) -> bool:
+        """Whether a header's view may reach the election: it names this node, its sender (the
+        claim itself, checked by `_refusal`), or by relay a member that can lead and whose
+        record it agrees with -- and, to renew the claim followed now, a live one. A relay
+        naming an outbound-only, misdescribed or dead member would keep followers renewing a
+        leader that never leads."""
+        if view.leader == self.me.node_id or view.leader == sender:
+            return True
+        m = self.membership.table.members.get(view.leader)
+        if m is None or m.info.outbound_only or view.priority != m.info.priority \
+                or view.capability != m.info.capability:
+            return False
+        cur = self.election.view
+        return m.live or cur is None or (cur.term, cur.leader) != (view.term, view.leader)
 
     def hold_claims(self, held: bool) -> None:
         """While `held`, this node claims no leadership, whatever lapses (Election.claims_held:

@@ -19,10 +19,18 @@
   does a member while `claims_held` (the node sets it from its join's first checkpoint fetch
   until the join ends: its replica is behind, and a lapse meanwhile is for members that
   trained).
-- Bounded steps (issue 13): a view more than `max_epoch_step` above this node's term is not
-  followed; the term grows by that one step instead (Control refuses such a claim outright
-  when it comes from the claimant itself), so one member cannot move the swarm's terms to
-  where the next claim leaves the range peers accept.
+- Bounded steps (issue 13): a view more than `max_epoch_step` above this node's term, relayed
+  or the claimant's own, is not followed; the term grows by that one step instead. So one
+  message moves a term by at most a step, and a node whose term got far ahead of its peers'
+  (a member pushed it there) still leads them: each of its messages brings them a step
+  closer until they follow. Nothing refuses a member's traffic for its term (a refused
+  leader was declared dead by peers that went on without it: two leaders for good).
+- A relayed view reaches the election only when it names a live member that can lead, as
+  its record describes it (Control); the leader's own newer heartbeats renew its lease
+  whatever seq relays carried, so a relay of a made-up later heartbeat cannot make followers
+  deaf to the real ones. A Yield
+  moves the leader up by at most a step; moving up keeps the checkpoint schedule (repeated
+  Yields must not postpone every checkpoint).
 - The leader decides checkpoints: every `checkpoint_interval` seconds (or
   `checkpoint_samples` swarm samples), only for a step above its last one in the term, so
   two checkpoints never share (term, leader, step).
@@ -58,6 +66,7 @@ class Election:
         self.leading = False
         self.lease_until = now + config.lease  # at start: time to hear of an existing leader
         self.renewed_at: float | None = None  # when the followed claim was last renewed
+        self.leader_seq = -1  # newest heartbeat seq heard from the followed leader itself
         self.gaps: deque[float] = deque(maxlen=RENEWAL_WINDOW)  # recent gaps between renewals
         self.lapse_reported = False
         self.claim_at: float | None = None
@@ -97,9 +106,12 @@ class Election:
         if cur is not None and v.term == cur.term and v.leader == cur.leader:  # the same claim
             # Once the lease has lapsed only the leader itself renews it: a late relay of an
             # old heartbeat must not postpone the fail-over (the 2-lease bound).
-            if v.seq > cur.seq and (now < self.lease_until or sender == v.leader
-                                    or self.me.outbound_only):
-                self.view = v
+            direct = sender == v.leader and v.seq > self.leader_seq
+            if direct or (v.seq > cur.seq and (now < self.lease_until or self.me.outbound_only)):
+                if sender == v.leader:
+                    self.leader_seq = v.seq
+                if v.seq > cur.seq:
+                    self.view = v
                 if self.renewed_at is not None:
                     self.gaps.append(now - self.renewed_at)
                 self._renew(now, actions)
@@ -118,7 +130,8 @@ class Election:
     def on_yield(self, now: float, body: Yield, msgs: Outgoing, actions: list[Action]) -> None:
         """A member that led (or knew) `body.term` now follows us: move above both, once."""
         if self.leading and self.view.term == body.winner_term:
-            self._claim(now, max(self.term, body.term) + 1, msgs, actions)
+            step = self.config.max_epoch_step  # peers at our term accept up to a step above
+            self._claim(now, min(max(self.term, body.term) + 1, self.term + step), msgs, actions)
 
     def on_resign(self, now: float, sender: str, term: int) -> None:
         v = self.view
@@ -208,6 +221,7 @@ class Election:
     def _follow(self, now: float, v: LeaderView, actions: list[Action]) -> None:
         self.gaps.clear()  # another leader: its link is another
         self.renewed_at = None
+        self.leader_seq = -1
         if self.term > v.term and self.yield_to is None:
             self._start_yield(now, self.term, v)  # we knew a later term (a restart's floor)
         self.view = v
@@ -236,12 +250,14 @@ class Election:
     def _claim(self, now: float, term: int, msgs: Outgoing, actions: list[Action]) -> None:
         me = self.me
         self.term = term
-        self.leading = True
         self.view = LeaderView(term, me.node_id, me.priority, me.capability, 0)
         self.claim_at, self.yield_to, self.lapse_reported = None, None, False
         self.next_heartbeat = now + self.config.heartbeat_interval
-        self.next_checkpoint = now + self.config.checkpoint_interval
-        self.last_checkpoint_step, self.last_checkpoint_swarm = -1, self.swarm_samples
+        if not self.leading:  # moving up keeps the schedule (see the module docstring)
+            self.next_checkpoint = now + self.config.checkpoint_interval
+            self.last_checkpoint_swarm = self.swarm_samples
+        self.leading = True
+        self.last_checkpoint_step = -1  # a new term: (term, step) stays unique
         msgs.append(ToAll(Claim()))
         actions.append(LeaderChanged(term, me.node_id))
 
