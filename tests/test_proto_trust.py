@@ -4,6 +4,8 @@ bounded step; the swarm carries on after each attack. In-memory cluster, virtual
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from p2ptrain.proto.config import LOCAL
 from p2ptrain.proto.events import RemoteError
 from p2ptrain.proto.messages import (
@@ -318,6 +320,36 @@ def test_a_member_sending_the_runs_total_does_not_end_the_run():
     assert max(counts) < true + 4 * LOCAL.count_burst  # one burst per entry, at most
 
 
+def _made_up(template, n: int) -> tuple:
+    """`n` members no one runs, as a member may list them (this swarm's fingerprint)."""
+    out = []
+    for k in range(n):
+        node_id = f"{k + 1:032x}"
+        info = replace(template, node_id=node_id, addr=f"203.0.113.{k % 250 + 1}:7100")
+        out.append(Update("alive", node_id, 1, node_id, info))
+    return tuple(out)
+
+
+def test_made_up_members_with_big_counts_do_not_end_the_run():
+    """One listing of 40 made-up members, each counting a burst: each used to get a burst of
+    its own (40 x 4096 past a total of 100,000: every node finished)."""
+    total = 100_000
+    c = _training(total=total)
+    forger = 1
+    me = c.nodes[forger].info
+    fakes = _made_up(me, 40)
+    listing = c.training_node(forger).control.membership.table.listing() + fakes
+    counts = {u.node_id: LOCAL.count_burst for u in fakes}
+    for _ in range(2):
+        c.inject(0, Envelope(_header(c, forger), SyncRequest(listing, counts)), me.addr)
+    c.run_for(3.0)
+    true = sum(c.training_node(i).learner.samples for i in c.up())
+    for i in c.up():
+        node = c.training_node(i)
+        assert node.phase == "training", i
+        assert node.learner.count.total < true + 2 * LOCAL.count_burst, i
+
+
 def test_a_fast_node_and_a_node_back_from_a_long_partition_are_counted_in_full():
     c = _training(step_seconds=[0.02, 0.25, 0.25, 0.25])  # node 0 is 12x faster
     c.partition([[3]])
@@ -367,3 +399,31 @@ def test_a_fetched_checkpoint_brings_counts_under_the_same_bound():
     assert "e" * 32 not in after
     assert after[c.nodes[1].info.node_id] < before[c.nodes[1].info.node_id] + 4 * LOCAL.count_burst
     assert node.learner.count.total < 100_000 // 4
+
+
+def test_the_sample_guard_makes_room_by_forgetting_members_the_table_forgot(monkeypatch):
+    """Entries used to stay for good: once full (made-up members), a later joiner was never
+    counted by this node."""
+    from p2ptrain.proto.membership import samples
+
+    monkeypatch.setattr(samples, "MAX_ENTRIES", 4)
+    guard = samples.SampleGuard(LOCAL, "me")
+    old = {f"old{k}": 0 for k in range(4)}
+    assert guard.admit(old, 0.0, old.keys()) == old
+    assert guard.admit({"late": 5}, 1.0, {*old, "late"}) == {}  # full, all still members
+    assert guard.admit({"late": 5}, 2.0, {"late"}) == {"late": 5}  # the table forgot them
+    assert set(guard.entries) == {"late"}
+
+
+def test_the_member_table_is_bounded(monkeypatch):
+    from p2ptrain.proto.membership import table
+
+    monkeypatch.setattr(table, "MAX_MEMBERS", 10)
+    c = _running()
+    me = c.nodes[1].info
+    listing = c.control(1).membership.table.listing() + _made_up(me, 20)
+    c.inject(0, Envelope(_header(c, 1), SyncRequest(listing, {})), me.addr)
+    members = c.control(0).membership.table
+    assert len(members.members) == 10 and members.full == 14
+    c.run_for(20.0)
+    _one_leader(c)

@@ -4,7 +4,12 @@ forged count.
 
 Every value a peer reports (message headers, member-list exchanges, averaging bodies, a
 fetched checkpoint) passes `SampleGuard.admit` before it is merged by max:
-- an entry exists only for a current member (or this node); at most `MAX_ENTRIES` of them;
+- an entry exists only for a current member (or this node); at most `MAX_ENTRIES` of them
+  (entries of members the table forgot are dropped to make room);
+- a new entry starts with what is left of one burst that all new entries share (refilled at
+  `count_burst / count_burst_seconds`), not a burst of its own: a member listing made-up
+  members with big counts in one message would otherwise move the swarm's count by a burst
+  per made-up id and end the run;
 - an entry grows only by the tokens of its own bucket: the bucket refills at the entry's
   allowed rate and holds at most `count_burst` samples plus `count_burst_seconds` of that
   rate. A report above what the tokens allow is admitted up to them (clamped), never beyond;
@@ -53,6 +58,8 @@ class SampleGuard:
         self.me = me
         self.entries: dict[str, _Entry] = {}
         self.clamped = 0  # reports admitted lower than they claimed
+        self.pool = float(config.count_burst)  # the burst new entries share (see above)
+        self.pool_at: float | None = None
 
     def baseline(self, counts: Mapping[str, int], now: float) -> None:
         """This node's starting count: admitted as it is."""
@@ -77,10 +84,15 @@ class SampleGuard:
             e = self.entries.get(node_id)
             new = e is None
             if new:
-                if (node_id != self.me and node_id not in members) or len(
-                        self.entries) >= MAX_ENTRIES:
+                if node_id != self.me and node_id not in members:
                     continue
+                if len(self.entries) >= MAX_ENTRIES:
+                    self._prune(members)
+                    if len(self.entries) >= MAX_ENTRIES:
+                        continue
                 e = self._entry(node_id, now)
+                e.tokens = self._pool_now(now)  # one shared burst for every new entry
+            grow = 0
             if n > e.high:
                 if rates is None:
                     rates = self._median_rate(now, members)
@@ -96,6 +108,7 @@ class SampleGuard:
                 n = e.high
             if new:  # its observed rate counts growth from its first sight on
                 e.first = e.high
+                self.pool -= grow
             out[node_id] = n
         return out
 
@@ -106,6 +119,19 @@ class SampleGuard:
         return None if e is None else self._observed(e, now)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _pool_now(self, now: float) -> float:
+        cfg = self.config
+        if self.pool_at is not None:
+            self.pool = min(float(cfg.count_burst), self.pool + (now - self.pool_at)
+                            * cfg.count_burst / cfg.count_burst_seconds)
+        self.pool_at = now
+        return self.pool
+
+    def _prune(self, members: Collection[str]) -> None:
+        """Forget the entries of members the table forgot (their counts stay merged)."""
+        for node_id in [i for i in self.entries if i != self.me and i not in members]:
+            del self.entries[node_id]
 
     def _entry(self, node_id: str, now: float) -> _Entry:
         e = self.entries.get(node_id)

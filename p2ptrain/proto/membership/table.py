@@ -10,7 +10,8 @@ Rules (SWIM with Lifeguard's suspicion, as memberlist):
   a higher incarnation and gossips alive (a refuted suspicion wins).
 - heard(beat) refreshes an outbound-only member, which nobody can probe.
 - a member whose configuration fingerprint differs is never added: it is refused, with the
-  differing keys named.
+  differing keys named; nor is a new member while the table holds MAX_MEMBERS (dead ones
+  are forgotten after `dead_retention`, making room).
 - bounded steps (issue 13): while a message is applied (`limit` set by Control), an update
   whose incarnation is above the highest this node had seen (`ceiling`) plus
   `max_epoch_step` is skipped, and the ceiling grows by that one step at most: one member
@@ -43,6 +44,7 @@ from p2ptrain.proto.records import (
 )
 
 MAX_REFUSED = 1024  # (node id, incarnation) pairs already refused and reported
+MAX_MEMBERS = 4096  # other members known at once: a member may list made-up ones (issue 13)
 
 
 @dataclass(slots=True)
@@ -84,6 +86,7 @@ class MemberTable:
         self.ceiling = incarnation  # highest incarnation seen, of any member or this node
         self.limit = math.inf  # incarnations above this are skipped (set per message)
         self.skipped = 0  # updates skipped for an incarnation too far ahead
+        self.full = 0  # new members not added: the table held MAX_MEMBERS
 
     # -- facts about this node ----------------------------------------------------------------
 
@@ -174,6 +177,9 @@ class MemberTable:
                                    "configuration fingerprint differs", by_peer=False))
             return
         if m is None:
+            if len(self.members) >= MAX_MEMBERS:  # bounded (made-up members in a listing)
+                self.full += 1
+                return
             m = Member(info, u.incarnation, ALIVE, now, heard_at=now)
             self.members[u.node_id] = m
             self.live_count += 1
