@@ -12,6 +12,7 @@ import asyncio
 import os
 import re
 import secrets
+import socket
 import threading
 import time
 import urllib.request
@@ -27,7 +28,8 @@ pytestmark = [pytest.mark.processes, pytest.mark.slow]
 MiB = 1 << 20
 AVERAGE_LIMIT = 72 * MiB  # routes.ROUTES["/v1/average"], restated on purpose
 LIMITS = dict(P2PTRAIN_NET_MAX_CONNECTIONS="64", P2PTRAIN_NET_MAX_CONNECTIONS_PER_IP="48",
-              P2PTRAIN_NET_HEADER_TIMEOUT="2", P2PTRAIN_NET_BODY_GRACE="2",
+              P2PTRAIN_NET_HEADER_TIMEOUT="2", P2PTRAIN_NET_IDLE_TIMEOUT="2",
+              P2PTRAIN_NET_BODY_GRACE="2",
               P2PTRAIN_NET_BODY_MEMORY_MIB="16")
 
 
@@ -246,3 +248,44 @@ def test_big_bodies_with_fake_credentials_do_not_grow_memory(swarm):
     # the bulk lane holds its budget (16 MiB here) plus the one body allowed past it
     assert (peak - before) / 1024 < 16 + 72 + 40, (before, peak)
     assert os.path.exists(f"/proc/{pid}")
+
+
+def test_connections_that_never_read_their_answers_do_not_pile_up(swarm):
+    """Rounds of connections each pipelining requests for the dashboard and never reading:
+    closed (evicted, timed out) by the node, they used to stay open, uncounted (their answers
+    unsent), until the node ran out of descriptors -- it has 256."""
+    lab, n0, n1 = swarm
+    host, port = n0.addr.rsplit(":", 1)
+    request = f"GET / HTTP/1.1\r\nHost: {n0.addr}\r\n\r\n".encode() * 600
+    socks: list[socket.socket] = []
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{n0.popen.pid}/fd"))
+
+    def closed() -> int:
+        runtime = n0.status()["runtime"]
+        return sum(runtime.get(k, 0) for k in ("conn_idle_closed", "conn_evicted",
+                                               "conn_header_timeout"))
+
+    before, closed0 = fds(), closed()
+    try:
+        for r in range(8):  # 8 rounds of 40: 320 sockets, past the node's 256 descriptors
+            for _ in range(40):
+                s = socket.socket()
+                socks.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.bind((f"127.0.0.{10 + r}", 0))
+                try:
+                    s.connect((host, int(port)))
+                    s.setblocking(False)
+                    s.send(request)
+                except OSError:
+                    pass
+            wait_for(f"the node to close most of round {r}'s connections",
+                     lambda r=r: closed() >= closed0 + 30 * (r + 1), 30)
+        wait_for("the node to close the rounds' sockets", lambda: fds() < before + 64, 30)
+        assert healthy(n0.addr)
+    finally:
+        for s in socks:
+            s.close()
+    wait_for("n0 to keep stepping", lambda: n0.status()["step"] >= 1, 10)
+    assert n0.alive() and n1.alive()

@@ -14,7 +14,10 @@ peer IP and in total, and times out connections that do not use their slot:
   peer out: it takes the slot of one of them, whoever opened it.
 - timeouts: a connection must complete a request head within `header_timeout` of opening
   (or of the first byte of its next request), and a kept-alive connection is closed after
-  `idle_timeout` without a request. Request bodies have their own deadline (server.py).
+  `idle_timeout` without a request. Request bodies have their own deadline (server.py). A
+  closed connection has CLOSE_GRACE seconds to flush its last answers, then is aborted: a
+  peer that pipelines requests and never reads the answers would otherwise keep the socket
+  open, no longer counted.
 
 Counting at the protocol (not in a middleware) means a connection is counted from accept to
 close, whatever it sends; a middleware of the app marks when a request is being handled.
@@ -41,6 +44,7 @@ from aiohttp.web_runner import BaseSite
 
 BACKLOG = 128  # listen() backlog
 LOG_EVERY = 30.0  # s between two log records of one kind, at most
+CLOSE_GRACE = 5.0  # s a closed connection may take to flush its last answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +147,11 @@ class _Conn(asyncio.Protocol):
         self.gate.count(why)
         self.gate.release(self)
         if self.transport is not None:
-            self.transport.close()
+            self.transport.close()  # flushes what is queued, then closes ...
+            # ... unless the peer never reads: then the socket (and its send queue) would
+            # stay open, uncounted; a client pipelining requests it never reads could open
+            # such sockets until the process ran out of descriptors (review)
+            self.gate.loop.call_later(CLOSE_GRACE, self.transport.abort)
 
     def _arm(self, when: float) -> None:
         self._disarm()
