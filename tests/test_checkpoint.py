@@ -110,6 +110,21 @@ def test_a_header_shape_whose_size_overflows_int64_is_refused(setup):
             checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(space.zeros()))
 
 
+def test_a_header_of_the_wrong_types_or_too_deep_is_refused_not_a_traceback(setup):
+    """A dtype that is a list or an object raised TypeError (unhashable) and a deeply nested
+    header RecursionError, past every reader's except clause (review)."""
+    import struct
+
+    space, params, ident, root = setup
+    path = checkpoint.save(root, make_snapshot(space, params, 1), ident, keep=3)
+    for hdr in (json.dumps({"w": {"dtype": [], "shape": [1], "data_offsets": [0, 4]}}),
+                json.dumps({"w": {"dtype": {}, "shape": [1], "data_offsets": [0, 4]}}),
+                "[" * 100_000 + "]" * 100_000):
+        (path / checkpoint.MODEL_FILE).write_bytes(struct.pack("<Q", len(hdr)) + hdr.encode())
+        with pytest.raises(checkpoint.CheckpointError):
+            checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(space.zeros()))
+
+
 def test_pruning_keeps_the_checkpoint_just_written_below_a_damaged_newer_one(setup):
     space, params, ident, root = setup
     checkpoint.save(root, make_snapshot(space, params, 100), ident, keep=3)

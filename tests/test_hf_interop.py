@@ -175,7 +175,7 @@ def test_export_then_load_is_lossless(tmp_path):
 def test_export_copies_a_given_tokenizer_and_refuses_a_full_directory(tmp_path):
     model, flat = random_ours(vocab=300)
     tok = tmp_path / "tok.json"
-    tok.write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}}}))
+    tok.write_text(word_level(10))
     export_hf(model, flat, tmp_path / "a", tokenizer=tok)
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == tok.read_bytes()
     with pytest.raises(HFFormatError, match="not an empty directory"):
@@ -184,9 +184,25 @@ def test_export_copies_a_given_tokenizer_and_refuses_a_full_directory(tmp_path):
     with pytest.raises(HFFormatError, match="not a tokenizers tokenizer.json"):
         export_hf(model, flat, tmp_path / "b", tokenizer=tmp_path / "bad.json")
     assert not (tmp_path / "b").exists()
+    (tmp_path / "big.json").write_text(word_level(301))  # ids past the embedding
+    with pytest.raises(HFFormatError, match="has 301 tokens; the model's vocabulary is 300"):
+        export_hf(model, flat, tmp_path / "b", tokenizer=tmp_path / "big.json")
+    (tmp_path / "odd.json").write_text(json.dumps({"model": {"type": "Nope"}}))
+    with pytest.raises(HFFormatError, match="not a tokenizer the tokenizers library reads"):
+        export_hf(model, flat, tmp_path / "b", tokenizer=tmp_path / "odd.json")
+    assert not (tmp_path / "b").exists()
     flat[5] = np.nan
     with pytest.raises(HFFormatError, match="NaN"):
         export_hf(model, flat, tmp_path / "c")
+
+
+def word_level(n: int) -> str:
+    """A tokenizers document of `n` word tokens."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {f"w{i}": i for i in range(n - 1)} | {"[UNK]": n - 1}
+    return Tokenizer(WordLevel(vocab, unk_token="[UNK]")).to_str()
 
 
 # ---------------------------------------------------------------- refusals

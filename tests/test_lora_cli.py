@@ -143,3 +143,67 @@ def test_missing_or_mismatched_bases_are_refused_by_name(runs, tmp_path):
         assert r.returncode == 2 and f"base {base_dir.name}" in r.stderr and "--base" in r.stderr
     r = run_cli("sample", "--checkpoint", str(moved), "--base", str(base_dir))
     assert r.returncode == 0, r.stderr
+
+
+def test_damaged_or_made_up_inputs_are_clear_errors(runs, tmp_path):
+    """Each used to be a traceback, a silent fallback or a silently wrong output (review)."""
+    tmp, _ = runs
+    (tmp_path / "a-file").write_text("x")
+    r = run_cli("checkpoint", "merge", "--adapters", str(tmp / "lora"), "--out",
+                str(tmp_path / "a-file" / "merged"))  # the out's parent is a file
+    assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("sample", "--checkpoint", str(tmp / "lora"), "--base", str(tmp_path / "no"))
+    assert r.returncode == 2 and "no such directory" in r.stderr
+    r = run_cli("sample", "--checkpoint", str(tmp / "full"), "--base", str(tmp_path))
+    assert r.returncode == 2 and "--base is for LoRA checkpoints" in r.stderr
+    # the newest checkpoint damaged: the next older is used, and said so
+    state = tmp_path / "state"
+    shutil.copytree(tmp / "full", state)
+    newest = checkpoint.list_checkpoints(state / "checkpoints")[0]
+    model = newest / checkpoint.MODEL_FILE
+    model.write_bytes(model.read_bytes()[:-100])
+    r = run_cli("sample", "--checkpoint", str(state), "--length", "4")
+    assert f"warning: skipped {newest.name}" in r.stderr
+
+
+def test_a_checkpoint_whose_arch_its_file_cannot_hold_is_refused_before_allocating(runs,
+                                                                                    tmp_path):
+    from p2ptrain.identity import load_or_create
+
+    tmp, _ = runs
+    src = checkpoint.list_checkpoints(tmp / "full" / "checkpoints")[0]
+    manifest = checkpoint.read_manifest(src)
+    arch = {**manifest.arch, "n_layer": 200, "n_embd": 10**6}  # ~9 PiB of float32
+    model = model_from_arch(manifest.arch)
+    tensors = {}
+    checkpoint.load_tensors(src, checkpoint.MODEL_FILE, {
+        s.name: tensors.setdefault(s.name, np.zeros(s.shape, np.float32))
+        for s in model.space})
+    snap = checkpoint.Snapshot(
+        step=1, term=1, swarm_count={}, fingerprint="fp", arch=arch,
+        model_tensors=list(tensors.items()), state_tensors=[], state_meta={"step": 1})
+    forged = checkpoint.save(tmp_path / "ck", snap, load_or_create(tmp_path / "id"), keep=1)
+    for argv in (("sample", "--checkpoint", str(forged)),
+                 ("export", "--checkpoint", str(forged), "--out", str(tmp_path / "hf"))):
+        r = run_cli(*argv)
+        assert r.returncode == 2 and "more than its" in r.stderr, r.stderr
+
+
+def test_a_base_holding_a_nan_is_refused_by_name(runs, tmp_path):
+    from p2ptrain.lora.basefile import BASE_FILE, BaseError, read_base
+    from p2ptrain.models.rwkv import RWKV
+
+    tmp, _ = runs
+    (base_dir,) = [p for p in (tmp / "lora" / "bases").iterdir() if p.is_dir()]
+    bad = tmp_path / base_dir.name
+    shutil.copytree(base_dir, bad)
+    base = read_base(bad)
+    frozen = base.frozen(RWKV(base.config(16, 16)))
+    name = next(n for n in frozen.tensors if frozen.tensors[n].size > 100)
+    raw = bytearray((bad / BASE_FILE).read_bytes())
+    offset = frozen.tensors[name].ctypes.data - frozen._map.ctypes.data
+    raw[offset : offset + 2] = np.array([0x7FC0], np.uint16).tobytes()  # a bf16 NaN
+    del frozen
+    (bad / BASE_FILE).write_bytes(bytes(raw))
+    with pytest.raises(BaseError, match=f"{name} holds NaN or infinite values"):
+        read_base(bad).frozen(RWKV(base.config(16, 16)))

@@ -159,8 +159,8 @@ def read_header(f) -> tuple[dict, int]:
         raise SafetensorsError(f"header length {n} is impossible for a {file_size}-byte file")
     try:
         header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SafetensorsError(f"header is not JSON: {exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise SafetensorsError(f"header is not JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(header, dict):
         raise SafetensorsError("header is not a JSON object")
     data_size = file_size - 8 - n
@@ -172,8 +172,8 @@ def read_header(f) -> tuple[dict, int]:
             ):
                 raise SafetensorsError("__metadata__ must map strings to strings")
             continue
-        if not isinstance(entry, dict) or (entry.get("dtype") not in DTYPES
-                                           and entry.get("dtype") not in RAW_DTYPES):
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if not isinstance(dtype, str) or (dtype not in DTYPES and dtype not in RAW_DTYPES):
             raise SafetensorsError(f"tensor {name!r}: bad entry or dtype")
         shape, offs = entry.get("shape"), entry.get("data_offsets")
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):

@@ -192,7 +192,7 @@ def load_tensors(path: Path, file_name: str, targets: dict[str, np.ndarray]) -> 
 def state_meta(metadata: dict[str, str]) -> dict:
     try:
         meta = json.loads(metadata[STATE_META_KEY])
-    except (KeyError, json.JSONDecodeError):
+    except (KeyError, json.JSONDecodeError, RecursionError):
         raise CheckpointError("state.safetensors carries no resume data") from None
     if not isinstance(meta, dict):
         raise CheckpointError("state.safetensors resume data is not an object")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,8 +39,25 @@ def resolve_checkpoint(path: Path) -> tuple[Path, Manifest]:
         for candidate in checkpoint.list_checkpoints(root):
             try:
                 return candidate, checkpoint.read_manifest(candidate)
-            except checkpoint.CheckpointError:
+            except checkpoint.CheckpointError as exc:  # the next older one, said so
+                print(f"p2ptrain: warning: skipped {candidate.name}: {exc}", file=sys.stderr)
                 continue
     if not path.exists():
         raise UserError(f"checkpoint path {path} does not exist")
     raise UserError(f"no valid checkpoint found at {path}")
+
+
+def model_params(path: Path, manifest: Manifest, model):
+    """`model`'s parameter vector, filled from the checkpoint at `path` -- allocated only once
+    the checkpoint's model file is big enough to hold it (its arch is what the file says: a
+    made-up one must not make this allocate petabytes)."""
+    from p2ptrain import checkpoint
+    from p2ptrain.errors import UserError
+
+    size = manifest.files[checkpoint.MODEL_FILE].size
+    if model.space.n_params * 2 > size:
+        raise UserError(f"{path.name}: its arch describes {model.space.n_params:,} parameters, "
+                        f"more than its {size:,}-byte model file can hold")
+    params = model.space.zeros()
+    meta = checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(params))
+    return params, meta

@@ -12,7 +12,7 @@ import numpy as np
 
 from p2ptrain import checkpoint
 from p2ptrain.checkpoint.safetensors_io import SafetensorsError
-from p2ptrain.cli.args import flags_of, resolve_checkpoint, resolve_config
+from p2ptrain.cli.args import flags_of, model_params, resolve_checkpoint, resolve_config
 from p2ptrain.config import ConfigError, to_toml
 from p2ptrain.data import DataError
 from p2ptrain.errors import UserError
@@ -128,8 +128,7 @@ def cmd_sample(args) -> int:
         raise UserError("--temperature must be >= 0")
     path, manifest = resolve_checkpoint(Path(args.checkpoint).expanduser())
     model = model_of_checkpoint(path, manifest, args.base)
-    params = model.space.zeros()
-    meta = checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(params))
+    params, meta = model_params(path, manifest, model)
     if getattr(model, "mode", "full") == "lora":  # the tokenizer travels with the base
         meta = {**model.base.metadata, **meta}
     out = sys.stdout.buffer

@@ -42,6 +42,11 @@ def model_of_checkpoint(path: Path, manifest, base: str | None):
     from p2ptrain.lora.basefile import BaseError
     from p2ptrain.lora.setup import BaseMissing, bases_root, model_of_arch
 
+    lora = isinstance(manifest.arch, dict) and "lora" in manifest.arch
+    if base is not None and not lora:
+        raise UserError(f"--base is for LoRA checkpoints; {path.name} holds a full model")
+    if base is not None and not Path(base).expanduser().is_dir():
+        raise UserError(f"--base {base}: no such directory")
     roots = [] if base is None else [Path(base).expanduser()]
     roots += [path.parent.parent / "bases", bases_root("~/.p2ptrain")]
     try:
@@ -62,6 +67,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from p2ptrain.checkpoint.safetensors_io import Deferred
     from p2ptrain.cli.args import resolve_checkpoint
     from p2ptrain.errors import UserError
+    from p2ptrain.fsutil import describe_os_error, fsync_dir
     from p2ptrain.identity import Identity, node_id_of
     from p2ptrain.models import fingerprint
     from p2ptrain.models.rwkv import RWKV
@@ -85,6 +91,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
             w = model.base.widened(name)
             if name in model.adapted:
                 w += model.scale * (ap[name + ".lora_a"] @ ap[name + ".lora_b"])
+                if not np.isfinite(w).all():
+                    raise UserError(f"merging {name} overflows float32")
             return w
         return make
 
@@ -104,10 +112,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
     raw = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
     signer = Identity(key, raw, node_id_of(raw), 0)
     tmp_root = out.parent / f".tmp-merge-{out.name}-{os.getpid()}"
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         written = checkpoint.save(tmp_root, snap, signer, keep=1)
         os.rename(written, out)
+        fsync_dir(out.parent)
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {describe_os_error(exc)}") from None
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
     print(f"merged {path} (LoRA r{model.lora.rank} on base {model.base_id}, step "

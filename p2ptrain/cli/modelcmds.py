@@ -41,8 +41,9 @@ def add_export_parser(sub) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from p2ptrain import checkpoint
-    from p2ptrain.cli.args import resolve_checkpoint
+    from p2ptrain.cli.args import model_params, resolve_checkpoint
     from p2ptrain.errors import UserError
+    from p2ptrain.fsutil import describe_os_error
     from p2ptrain.models import model_from_arch
     from p2ptrain.models.hf import TOKENIZER_FILE, HFFormatError, export_hf
     from p2ptrain.models.rwkv import RWKV
@@ -59,14 +60,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not isinstance(model, RWKV):
         raise UserError(f"{path.name} holds the {model.name!r} model; only the built-in rwkv "
                         f"exports to Hugging Face format")
-    params = model.space.zeros()
-    meta = checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(params))
+    params, meta = model_params(path, manifest, model)
     out = Path(args.out).expanduser()
     try:
         written = export_hf(model, params, out, tokenizer=args.tokenizer,
                             tokenizer_document=meta.get(checkpoint.TOKENIZER_META_KEY))
     except HFFormatError as exc:
         raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {describe_os_error(exc)}") from None
     print(f"exported {path} (step {manifest.step}, {model.space.n_params:,} parameters) "
           f"to {out}: {', '.join(written)}")
     if TOKENIZER_FILE not in written:

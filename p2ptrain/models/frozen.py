@@ -8,8 +8,8 @@ a reused scratch buffer (`widen`). The small vectors (norms, decays, token-shift
 widened once per compute dtype.
 
 The header is checked like any file from disk: every tensor of the model present with its
-shape, nothing else, a dtype that widens. The bytes themselves are checked by the caller
-against the base's manifest (p2ptrain.lora.basefile).
+shape, nothing else, a dtype that widens; and every value finite. The bytes themselves are
+checked by the caller against the base's manifest (p2ptrain.lora.basefile).
 """
 
 from __future__ import annotations
@@ -35,6 +35,22 @@ def widen(raw: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
     else:
         np.copyto(out, raw, casting="same_kind")
     return out
+
+
+_EXPONENT = {"BF16": (np.uint16, 0x7F80), "F16": (np.uint16, 0x7C00),
+             "F32": (np.uint32, 0x7F800000)}
+FINITE_BLOCK = 1 << 22  # values checked at once
+
+
+def _finite(raw: np.ndarray, dtype: str) -> bool:
+    """Whether a stored tensor holds no NaN or infinity (all exponent bits set), checked on
+    its bits in blocks: no widened copy."""
+    bits, mask = _EXPONENT[dtype]
+    flat = raw.reshape(-1).view(bits)
+    for lo in range(0, flat.size, FINITE_BLOCK):
+        if ((flat[lo : lo + FINITE_BLOCK] & mask) == mask).any():
+            return False
+    return True
 
 
 class FrozenBase:
@@ -74,6 +90,9 @@ class FrozenBase:
             lo, hi = (start + o for o in entry["data_offsets"])
             raw = self._map[lo:hi].view(storage_dtype(entry["dtype"]))
             self.tensors[slot.name] = raw.reshape(slot.shape)
+            if not _finite(raw, entry["dtype"]):
+                raise SafetensorsError(f"{self.path}: tensor {slot.name} holds NaN or "
+                                       f"infinite values")
         self.nbytes = sum(t.nbytes for t in self.tensors.values())
 
     def dtype_name(self) -> str:

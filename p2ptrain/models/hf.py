@@ -200,8 +200,18 @@ def read_config(hf_dir: str | os.PathLike) -> dict:
     except FileNotFoundError:
         raise HFFormatError(f"{hf_dir}: no {CONFIG_FILE} (not a Hugging Face model "
                             f"directory)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HFFormatError(f"{path}: unreadable ({exc})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise HFFormatError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def _vocab_size(tok_doc: dict, where) -> int:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(json.dumps(tok_doc)).get_vocab_size()
+    except Exception as exc:  # the library raises plain Exceptions on a bad document
+        raise HFFormatError(f"tokenizer {where}: not a tokenizer the tokenizers library "
+                            f"reads ({exc})") from None
 
 
 # ---------------------------------------------------------------- import
@@ -214,7 +224,8 @@ def weight_files(hf_dir: Path) -> dict[str, list[str]]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                RecursionError) as exc:
             raise HFFormatError(f"{index}: unreadable ({exc})") from None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(v, str) and Path(v).name == v for v in weight_map.values()):
@@ -383,10 +394,14 @@ def export_hf(model: RWKV, flat: np.ndarray, out_dir: str | os.PathLike,
     if tokenizer is not None:
         try:
             tok_doc = json.loads(Path(tokenizer).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise HFFormatError(f"tokenizer {tokenizer}: unreadable ({exc})") from None
         if not isinstance(tok_doc, dict) or "model" not in tok_doc:
             raise HFFormatError(f"tokenizer {tokenizer}: not a tokenizers tokenizer.json")
+        n = _vocab_size(tok_doc, tokenizer)
+        if n > model.vocab_size:  # its ids would index past the embedding
+            raise HFFormatError(f"tokenizer {tokenizer} has {n:,} tokens; the model's "
+                                f"vocabulary is {model.vocab_size:,}")
     elif tokenizer_document is not None:
         try:
             tok_doc = json.loads(tokenizer_document)
