@@ -476,3 +476,21 @@ def test_a_checkpoint_fetched_during_a_step_taken_while_joining_is_adopted_after
         assert node.join_steps > 0
         assert node.learner.opt.t <= 1  # reset at the adoption (one step since, at most)
         assert node.learner.count.total > node.learner.samples  # the leader's entry merged
+
+
+def test_only_this_swarms_members_naming_a_leader_stop_a_joiner_training_alone():
+    """A message of another swarm (same key, another configuration) naming its leader used
+    to count as "a leader is known": the joiner waited out the join timeout untrained."""
+    from p2ptrain.proto.messages import PROTOCOL_VERSION, Envelope, Header, Notify
+    from p2ptrain.proto.records import LeaderView
+
+    c = TrainingCluster(3, 11, lambda i, node_id: learner(node_id), node_config=JOINING,
+                        step_seconds=0.1)
+    c.run_for(0.2)
+    node, other = c.training_node(0), c.nodes[1].info
+    view = LeaderView(1, other.node_id, other.priority, other.capability, 0)
+    for fingerprint, heard in (("another swarm's", False), (other.fingerprint, True)):
+        header = Header(PROTOCOL_VERSION, other.node_id, 1, other.addr, fingerprint, 1, 1, 1,
+                        view, ())
+        c.inject(0, Envelope(header, Notify()), other.addr)
+        assert node.leader_heard is heard

@@ -32,8 +32,7 @@ Rules it keeps:
   anyone claims -- trains alone meanwhile (no pushes, no exchanges), and then fetches only
   a checkpoint far ahead of those steps (joining.py). If the join adopts one, those steps
   go (weights replaced, optimiser moments reset, as a fresh joiner's); a checkpoint fetched
-  while such a step runs is taken up after its StepDone (the driver's load must not meet a
-  step in flight).
+  during such a step is taken up after its StepDone (a load must not meet a step in flight).
 - Push targets and averaging partners are members the control plane holds *alive* (never
   suspect or dead) that accept connections (not outbound-only).
 
@@ -313,7 +312,8 @@ class Node:
             except (RemoteProtocolError, TypeError):
                 return self.control.handle(now, event)  # refuses it with the reason
         header, body = message.header, message.body
-        self.leader_heard |= header.view is not None and self.phase == JOINING
+        self.leader_heard |= (header.view is not None and self.phase == JOINING
+                              and header.fingerprint == self.control.me.fingerprint)
         if self.offenders.ignored(now, header.sender):
             self.trainer.stats["ignored_offender_messages"] += 1
             return []
