@@ -82,7 +82,8 @@ def test_a_reply_of_all_65504_to_our_exchange_is_refused():
     applied = node.trainer.stats["average_applied"]
     actions = c.inject(0, env, c.nodes[peer].info.addr)
     assert [type(a) for a in actions] == [RemoteError]
-    assert_same(before, state(node))
+    assert node.trainer.exchange is None  # the exchange is over; nothing else moved
+    assert_same(before[:9] + (False,) + before[10:], state(node))
     assert node.trainer.stats["average_applied"] == applied
     assert node.trainer.guard.refused[ex.peer] == 1
 
@@ -142,3 +143,49 @@ def test_a_refused_request_is_answered_only_by_a_decline_to_its_member():
     sends = [a for a in c.inject(0, env, c.nodes[1].info.addr) if type(a) is Send]
     assert len(sends) == 1 and sends[0].to == c.nodes[1].info.node_id and sends[0].reply
     assert type(sends[0].envelope.body) is AverageReply and sends[0].envelope.body.chunks == ()
+
+
+def test_a_gradient_in_another_codec_is_refused_before_it_is_decoded():
+    """A node pushing top-k 1% admitted a random-k chunk at fraction 1 (any codec a header
+    names): checking it cost ~20x its bytes in temporaries, and it was decoded twice."""
+    from p2ptrain.codecs import encode_vector, make_codec
+    from p2ptrain.proto.gossip.messages import GradientPush
+    from tests.test_node import cluster
+
+    c = cluster(2, step_seconds=1.0, gossip=GossipConfig(fanout=1, codec="topk", fraction=0.01,
+                                                         average_every=0))
+    c.run_until(20.5)
+    node, other = c.training_node(0), c.training_node(1)
+    x = np.random.default_rng(0).normal(size=node.learner.params.size).astype(np.float32)
+    for codec, refused in ((make_codec("randomk", fraction=1.0, values="fp16"), True),
+                           (make_codec("topk", fraction=0.01), False)):
+        chunk = bytes(next(encode_vector(codec, x * 1e-3, sender_id=bytes.fromhex(
+            other.node_id), swarm_samples=node.learner.count.total + 1, weight=8.0, seed=9)))
+        before = node.trainer.mixer.pending
+        actions = c.inject(0, envelope_from(c, 1, 0, GradientPush(1, 1.0, chunk)),
+                           c.nodes[1].info.addr)
+        assert any(type(a) is RemoteError for a in actions) is refused
+        assert node.trainer.mixer.pending == before + (not refused)
+
+
+def test_a_refused_reply_ends_the_exchange_it_answers():
+    """The reply came, too far to apply: the exchange used to stay open until its give-up
+    time (90 s here), the node's one averaging slot idle."""
+    from tests.test_node import cluster
+
+    c = cluster(2, step_seconds=1.0, gossip=GossipConfig(fanout=0, average_every=1000,
+                                                         averaging="full"))
+    c.run_until(10.2)
+    node, other = c.training_node(0), c.training_node(1)
+    node.trainer.rate_of = None  # draw by link alone
+    node.trainer._begin_average(c.now, [(other.node_id, c.nodes[1].info.addr)], [])
+    ex = node.trainer.exchange
+    other.trainer.responder.begin(node.learner.params + np.float32(5.0), ex.seed, 0)
+    chunks = tuple(bytes(m) for m in other.trainer.responder.messages(
+        bytes.fromhex(other.node_id), 0))
+    other.trainer.responder.abort()
+    actions = c.inject(0, envelope_from(c, 1, 0, AverageReply(ex.seed, 0, {}, chunks, 0, 1)),
+                       c.nodes[1].info.addr)
+    assert any(type(a) is RemoteError for a in actions)
+    assert node.trainer.exchange is None and not node.trainer.initiator.is_open
+    assert node.trainer.stats["average_timeout"] == 0

@@ -11,7 +11,7 @@ import pytest
 
 from p2ptrain.proto.errors import LocalProtocolError
 from p2ptrain.proto.events import Reading, Send, StepDone
-from p2ptrain.proto.gossip.averaging import HeldDeltas, ParameterAverager
+from p2ptrain.proto.gossip.averaging import HELD_PULL, HeldDeltas, ParameterAverager
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.exchange import HELD_FLOOR, held_capacity
 from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
@@ -136,3 +136,35 @@ def test_an_initiator_sends_a_part_it_cannot_hold_at_the_step_boundary():
         stats = c.training_node(i).trainer.stats
         assert stats["average_started"] >= 1, stats
         assert stats["average_applied"] - stats["average_answered"] >= parts, (parts, stats)
+
+
+def test_half_steps_held_during_a_step_never_move_a_replica_past_the_peers():
+    """Each held half step is taken against the same frozen replica, so they add up: 40
+    requests toward one point (each within the distance guard) used to move the replica 20
+    times as far as the point was. The pulls held sum to at most HELD_PULL: the boundary's
+    replica is a convex combination of the frozen one and the peers' snapshots."""
+    c = cluster(2, step_seconds=10.0)
+    c.run_until(3.0)  # node 0 is inside a 10 s step
+    node = c.training_node(0)
+    before = node.learner.params.copy()
+    answered = [bool(replies(c.inject(0, request_from(c, 1, 0, 100 + k, 0.05),
+                                      c.nodes[1].info.addr))[0].chunks) for k in range(40)]
+    target = c.training_node(1).learner.params + np.float32(0.05)
+    assert all(answered)  # answered (the peer's half), but only two half steps are held
+    assert [p for _, _, p in node.trainer.held.pulls] == [HELD_PULL / 2] * 2
+    c.run_until(12.0)  # the step ends
+    moved = node.learner.params - before
+    # at most as far as the peer's snapshot (as it travelled, rounded), and there
+    assert np.abs(moved).max() <= 1.01 * np.abs(target - before).max()
+    dist = np.sqrt(np.mean(np.square(node.learner.params - target)))
+    assert dist < 0.02 * np.sqrt(np.mean(np.square(target - before)))
+
+
+def test_the_pull_budget_is_kept_per_span():
+    held = HeldDeltas(AveragingPlan(1000, part=100), 10**6)
+    assert held.take(0.7, 0, 100) == 0.7
+    assert held.take(0.5, 100, 200) == 0.5  # another part's span: its own budget
+    assert held.take(0.5, 50, 150) == 0.0  # overlaps both: 1.2 spent there
+    assert held.take(0.5, 0, 100) == pytest.approx(0.3)
+    held.clear()
+    assert held.take(0.5, 0, 100) == 0.5

@@ -314,3 +314,16 @@ def test_one_sender_has_one_vote_in_the_median_norm():
     assert np.median(mixer.norms) < 100  # the own norms and the honest peer's hold it
     report = mixer.mix(grad(3), 8.0, 0)
     assert all(p.norm * p.scale < 100 for p in report.peers)  # clipped to 3x the median
+
+
+def test_a_claimed_weight_counts_only_as_far_as_the_senders_observed_speed():
+    """A push claiming max_sample_weight (65536 samples) against an own batch of 8 used to
+    make up 99.99% of the mix: the receiver stepped along the member's vector."""
+    rates = {sid(0).hex(): 10.0, sid(2).hex(): 100.0}  # node 2 is seen 10x as fast
+    for sender, cap in ((1, 4 * 8.0), (2, 4 * 8.0 * 10)):
+        mixer = GradientMixer(GossipConfig(**LOOSE), N, sid(0).hex())
+        mixer.rate_of = rates.get
+        send(mixer, msgs(grad(sender), sender, 100, 65536.0), 100)
+        report = mixer.mix(grad(0), 8.0, 110)
+        assert report.total_weight == 8.0 + cap
+        assert report.peers[0].weight == cap

@@ -90,8 +90,10 @@ def envelope_from(c: TrainingCluster, i: int, to: int, body) -> Envelope:
     return c.training_node(i).control.wrap(target.node_id, target.addr, body).envelope
 
 
-def gradient_chunk(sender: str, x: np.ndarray, weight: float = BATCH) -> bytes:
-    return bytes(next(encode_vector(make_codec("none"), x, sender_id=bytes.fromhex(sender),
+def gradient_chunk(sender: str, x: np.ndarray, weight: float = BATCH, codec=None) -> bytes:
+    """A gradient chunk in `codec` (default: the swarm's, as `cluster` configures it)."""
+    codec = GossipConfig().make_codec() if codec is None else codec
+    return bytes(next(encode_vector(codec, x, sender_id=bytes.fromhex(sender),
                                     swarm_samples=10, weight=weight, seed=1)))
 
 

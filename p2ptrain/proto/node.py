@@ -118,7 +118,7 @@ class Node:
                                      np.random.default_rng(rng.getrandbits(64)),
                                      average_timeout=config.average_timeout,
                                      chunk_elems=config.chunk_elems)
-        self.trainer.rate_of = self.control.sample_rate  # averaging weights (pull_share)
+        self.trainer.rate_of = self.trainer.mixer.rate_of = self.control.sample_rate
         # joining: averaging requests are declined (no peer is pulled toward weights this node
         # may be about to drop) and nothing received moves the learner's counters or weights
         self.join = Join(now=now, own_samples=learner.count.total,

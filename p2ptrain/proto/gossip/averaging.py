@@ -88,16 +88,29 @@ class AveragingReport:
     distance: float  # consensus distance: RMS of (x_peer - x_self) over them, from snapshots
 
 
+HELD_PULL = 1.0  # the pulls held during one step sum to at most this (HeldDeltas)
+
+
 class HeldDeltas:
     """Averaging half steps that finished while a step was outstanding, kept sparse -- the
     coordinates each part covered and its values -- until the step boundary adds them to the
     parameters: no buffer of the model's size. Holds at most `capacity` coordinates; a caller
-    asks `room` before it commits to another part."""
+    asks `room` before it commits to another part.
+
+    Every half step held was taken against the same frozen parameters, so they add up: K of
+    them toward one point with pull 1/2 would move a coordinate K/2 of the way there and on,
+    past it (a member sending many requests while a step ran could push a replica anywhere,
+    each request within the distance guard). So the pulls held over any coordinate sum to at
+    most HELD_PULL: then the boundary's parameters are a convex combination of the frozen
+    ones and the peers' snapshots. A half step past that budget is taken with what is left
+    of it (none: left out). The budget is kept per span of the vector a part reaches, so the
+    parts of one exchange (disjoint spans) do not share it."""
 
     def __init__(self, plan: AveragingPlan, capacity: int):
         self.plan = plan
         self.capacity = capacity  # coordinates held at most (callers check `room`)
         self.size = 0  # coordinates held
+        self.pulls: list[tuple[int, int, float]] = []  # (lo, hi, pull): the span a part reaches
         self._parts: list[tuple[np.ndarray | None, int, np.ndarray]] = []  # (runs, lo, delta)
 
     def __bool__(self) -> bool:
@@ -106,6 +119,15 @@ class HeldDeltas:
     def room(self, m: int) -> bool:
         """Whether `m` more coordinates fit."""
         return self.size + m <= self.capacity
+
+    def take(self, pull: float, lo: int, hi: int) -> float:
+        """The part of `pull` the budget of coordinates [lo, hi) still allows (0: none), now
+        spent (conservatively: every held span that overlaps counts whole)."""
+        used = sum(p for a, b, p in self.pulls if a < hi and lo < b)
+        allowed = max(0.0, min(pull, HELD_PULL - used))
+        if allowed > 0:
+            self.pulls.append((lo, hi, allowed))
+        return allowed
 
     def add(self, runs: np.ndarray | None, lo: int, delta: np.ndarray) -> None:
         self._parts.append((runs, lo, delta.copy()))
@@ -120,6 +142,7 @@ class HeldDeltas:
     def clear(self) -> None:
         self._parts.clear()
         self.size = 0
+        self.pulls.clear()
 
 
 class ParameterAverager:
@@ -229,14 +252,24 @@ class ParameterAverager:
             raise
         peak = np.float32(PEAK_RATIO * distance)
         np.clip(diff, -peak, peak, out=diff)  # symmetric: the peer clips -diff alike
+        if held is not None:
+            pull = held.take(pull, *self._span())
         diff *= np.float32(-pull)  # now (peer - mine) * pull; exact for 1/2
         if held is not None:
-            held.add(self._runs, self._lo, diff)
+            if pull > 0:
+                held.add(self._runs, self._lo, diff)
         else:
             self.plan.scatter_add(params, self._runs, diff, self._lo)
         report = AveragingReport(peer.sender, self._seed, m, distance)
         self.abort()
         return report
+
+    def _span(self) -> tuple[int, int]:
+        """[lo, hi) of the parameter vector the open part reaches."""
+        if self._runs is None:
+            return self._lo, self._lo + self._m
+        b = self.plan.block
+        return int(self._runs[0]) * b, min(self.plan.n, (int(self._runs[-1]) + 1) * b)
 
     def respond(self, params: np.ndarray, request: PeerSnapshot | Iterable[Any],
                 sender_id: bytes, swarm_samples: int, part: int = 0

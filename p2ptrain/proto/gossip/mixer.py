@@ -25,7 +25,9 @@ window of recent norms: the own gradient's at its last `norm_window` mixes, and 
 latest accepted one (one vote a sender, its last `norm_window` senders: a member that sends
 many vectors under distinct counts cannot set the median, down to refuse every honest peer or
 up to pass a huge one). A norm that is not finite, above `max_norm`, or above
-`absurd_norm_multiple` times that median is refused.
+`absurd_norm_multiple` times that median is refused. Weights: a peer's vector counts for its
+claimed samples, but at most WEIGHT_SPREAD times the own weight, times how much faster the
+membership sees it train (`weight_cap`): one member's claim cannot outweigh a whole mix.
 
 This file never sends anything, never reads the clock, never draws random numbers and never
 does I/O. Not thread-safe: call `receive` and `mix` from one thread (the protocol loop).
@@ -37,7 +39,7 @@ import enum
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,7 @@ from p2ptrain.proto.gossip.config import GossipConfig
 
 RATE_WINDOW = 64  # step boundaries the swarm's sample rate is measured over
 STEP_FLOOR = 2  # the staleness bound never drops below this many of the node's own steps
+WEIGHT_SPREAD = 4.0  # a peer's weight counts up to this times the own (see `weight_cap`)
 
 
 class SwarmRate:
@@ -197,9 +200,13 @@ class GradientMixer:
     """The inbound queue of peer gradients and the weighted mix into the own gradient, for
     gradients of n elements."""
 
-    def __init__(self, config: GossipConfig, n: int):
+    def __init__(self, config: GossipConfig, n: int, me: str = ""):
         self.config = config
         self.n = int(n)
+        self.me = me  # own node id (hex), for `rate_of`
+        self.codec = config.make_codec()  # the swarm's: what the trainer admits
+        # samples/s each node is seen to train at (the membership's): bounds a peer's weight
+        self.rate_of: Callable[[str], float | None] | None = None
         self._pending: dict[tuple[bytes, int], _Pending] = {}
         self._bytes = 0  # wire bytes held by _pending
         self._seq = 0
@@ -387,21 +394,35 @@ class GradientMixer:
                 self._remove(key)
         self.drops["stale"] += stale
         self.drops["incomplete"] += incomplete
-        total = weight + sum(entry.weight for entry, _ in used)
+        weights = [min(entry.weight, self.weight_cap(weight, entry.sender)) for entry, _ in used]
+        total = weight + sum(weights)
         peers = []
         if used:
             grad *= np.float32(weight / total)
-        for entry, age in used:
+        for (entry, age), w in zip(used, weights, strict=True):
             norm = entry.norm
             scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
             for index in sorted(entry.chunks):
-                entry.chunks[index].decode_into(grad, entry.weight * scale / total)
+                entry.chunks[index].decode_into(grad, w * scale / total)
             self.used[entry.sender] += 1
-            peers.append(PeerGradient(entry.sender, entry.sender_samples, entry.weight,
+            peers.append(PeerGradient(entry.sender, entry.sender_samples, w,
                                       norm, scale, age))
         self.mixes += 1
         return MixReport(own_norm, clip_norm, total, tuple(peers), stale, incomplete,
                          len(self._pending), bound)
+
+    def weight_cap(self, own: float, sender: bytes) -> float:
+        """The most sample weight a peer's vector counts for: WEIGHT_SPREAD times the own
+        weight, times how much faster the peer is seen to train (an honest big batch is a fast
+        node's), never less than the own weight. A claimed weight alone -- up to
+        max_sample_weight -- let one member outweigh every honest gradient of a mix."""
+        ratio = 1.0
+        rate_of = self.rate_of
+        if rate_of is not None:
+            mine, theirs = rate_of(self.me), rate_of(sender.hex())
+            if mine and theirs:
+                ratio = max(1.0, theirs / mine)
+        return WEIGHT_SPREAD * own * ratio
 
     # -- inspection --------------------------------------------------------------------------
 

@@ -10,35 +10,32 @@ by `pull_share` of the two nodes' sample rates, as `rate_of` -- the node's -- ob
 The partner is drawn by link speed and its rate to `average_draw_power`; with
 `average_known_rates`, only among peers whose rate is observed (none yet: not this time).
 
-Inbound bodies are parsed and checked completely (`parse`: framing, checksum, model length,
-the sender named in the chunks is the header's sender, values decode and are finite) before
-the node lets anything change; a defect raises CodecError and nothing moves. A gradient
-arriving while the driver computes is only queued. Parameters are written only between
-steps: the half steps of averaging exchanges that complete while a step is outstanding
-(`busy`) are held and added by `flush` at the next `StepDone`, so a driver may compute in a
-worker thread while the event loop answers requests. They are held sparse (`HeldDeltas`: each
-part's coordinates and values, never a buffer of the model's size), at most `held_capacity`
-coordinates (an eighth of the model, or 64 MiB if more): a responder replies at once, from a
-snapshot (a read), to as many requests per step as fit, and declines the rest; an initiator
-holds the reply of the part it sent, and sends its next part at the step boundary when that
-one's reply would not fit. A node that is not training yet (joining: its replica is the
-initial one) declines. The error-feedback residual exists only when gradients are pushed
-(`fanout > 0`).
+Inbound bodies are checked completely (`parse`: framing, checksum, model length, the swarm's
+codec before any decoding, the sender named in the chunks is the header's, finite values)
+before anything changes; a defect raises CodecError and nothing moves (a refused reply to
+the open exchange ends it). A gradient arriving while the driver computes is only queued.
+Parameters are written only between steps: averaging half steps that complete while a step
+is outstanding (`busy`) are held and added by `flush` at the next `StepDone`, so a driver
+may compute in a worker thread while the event loop answers requests. They are held sparse
+(`HeldDeltas`: each part's coordinates and values, their pulls summing to at most 1 over any
+coordinate), at most `held_capacity` coordinates (an eighth of the model, or 64 MiB if
+more): a responder replies at once, from a snapshot (a read), to as many requests per step
+as fit, and declines the rest; an initiator sends its next part at the step boundary when
+that one's reply would not fit. A node not training yet (joining) declines. The
+error-feedback residual exists only when gradients are pushed (`fanout > 0`).
 
-Give-up: each part of an averaging exchange waits for its reply until a deadline that grows
-with its bytes over the bandwidth measured to the peer (`give_up_seconds`: `average_timeout_margin`
-x the expected time, at least `average_timeout` -- the only bound while nothing is measured --
-and at most `average_timeout_max`); a part given up lowers that peer's bandwidth estimate, so
-the next one waits longer. No part is sent once the exchange has run `average_timeout_max`.
+Give-up: each part waits for its reply until a deadline that grows with its bytes over the
+bandwidth measured to the peer (`give_up_seconds`: `average_timeout_margin` x the expected
+time, within [`average_timeout`, `average_timeout_max`]); a part given up lowers that peer's
+bandwidth estimate. No part is sent once the exchange has run `average_timeout_max`.
 
 Tracking (`track_peers` > 0, tracking.py): after each step the node also pushes the sign of
 its replica minus its public copy to the fastest and moves toward its copies (`track_step`).
 
 Outbound-only peers: nobody may connect to them, so they are never push targets or averaging
 partners; they start exchanges themselves, and a push from one is answered with this node's
-latest gradient (`GradientReply`, sent in the response), once per own step. This file never
-does I/O, never reads the clock (times are passed in) and draws randomness only from the
-generator it is given.
+latest gradient (`GradientReply`, sent in the response), once per own step. No I/O, no
+clock (times are passed in), randomness only from the generator it is given.
 """
 
 from __future__ import annotations
@@ -101,17 +98,16 @@ class GossipTrainer:
         self.sender = bytes.fromhex(learner.node_id)  # raw id in codec chunk headers
         self.rng, self.average_timeout, self.chunk_elems = rng, average_timeout, chunk_elems
         self.n = n
-        # the error-feedback residual is a buffer of the model's size: only with pushes
         self.outer = (OuterOptimizer(config, n, int(rng.integers(0, 2**62)), learner.outer_saved)
                       if config.outer_every > 0 else None)
         if self.outer is not None:  # outer steps share progress; no per-step pushes
             learner.progress, learner.outer = self.outer.progress, self.outer
         learner.outer_saved = None  # taken, or not wanted: never held for the whole run
-        self.encoder = (gradient_encoder(config, n)
+        self.encoder = (gradient_encoder(config, n)  # error feedback: a model-sized buffer
                         if config.fanout > 0 and self.outer is None else None)
         # pseudo-gradients are mixed once a round, whatever the swarm trained meanwhile
         self.mixer = GradientMixer(config if self.outer is None else replace(
-            config, max_staleness_samples=OUTER_STALENESS), n)
+            config, max_staleness_samples=OUTER_STALENESS), n, self.node_id)
         self.plan = config.averaging_plan(n, flops_per_coordinate(learner.model, n))
         self.initiator = ParameterAverager(self.plan, chunk_elems)  # exchanges we open
         self.responder = ParameterAverager(self.plan, chunk_elems)  # exchanges we answer
@@ -152,8 +148,9 @@ class GossipTrainer:
                 type(body) is TrackPush and self.tracker is not None) else None
         if isinstance(body, GradientPush | GradientReply):
             msg = parse_message(body.chunk)
-            if msg.vector_length != self.n:
-                raise CodecError(f"gradient has {msg.vector_length} elements, the model {self.n}")
+            if msg.vector_length != self.n or msg.codec != self.mixer.codec:  # before decoding
+                raise CodecError(f"gradient of {msg.vector_length} {msg.codec.name} values: "
+                                 f"the swarm's are {self.n} {self.mixer.codec.name}")
             if msg.sender_id != raw_id:
                 raise CodecError("gradient chunk names another sender than the message")
             if not 0.0 < msg.weight <= self.config.max_sample_weight:
@@ -189,13 +186,16 @@ class GossipTrainer:
             ex = self.exchange
             if (ex is not None and ex.peer == sender and ex.seed == body.seed
                     and ex.part == body.part and self.initiator.is_open):
-                self._judge(sender, self.initiator.distance(snap))
+                self._judge(sender, self.initiator.distance(snap), ours=True)
         return snap
 
-    def _judge(self, sender: str, distance: float) -> None:
+    def _judge(self, sender: str, distance: float, ours: bool = False) -> None:
         reason = self.guard.judge(sender, distance)
         if reason is not None:
             self.stats["average_refused"] += 1
+            if ours:  # the reply our exchange waits for: it is over, as if declined
+                self.exchange = None
+                self.initiator.abort()
             raise TooFar(reason)
 
     def on_body(self, now: float, sender: str, addr: str, body: Body, parsed: Any, *,
