@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from p2ptrain.codecs import HEADER_SIZE, encode_vector, make_codec
+from p2ptrain.codecs import HEADER_SIZE, encode_vector
 from p2ptrain.data import load_corpus
 from p2ptrain.learner import Learner
 from p2ptrain.models import build_model
