@@ -31,6 +31,8 @@ from p2ptrain.outerstate import OUTER, state_arrays
 from p2ptrain.owed8 import Owed8
 from p2ptrain.swarmcount import SwarmCount
 
+DIVERGED_HINT = ("lower the learning rate (--lr) or lengthen the warm-up; the checkpoints "
+                 "written before it are kept")
 EVAL_BATCH = 32  # held-out windows per forward pass, at most (never more than a micro-batch)
 AVERAGE_CHUNK = 1 << 20  # coordinates the average of the weights is updated by at a time
 LIVE_WEIGHTS = "weights.trained"  # state tensor: the weights, when the model is their average

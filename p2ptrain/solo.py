@@ -6,11 +6,13 @@ bound is met (steps, duration, the run's total samples) or a signal arrives, eva
 held-out split and checkpoints on intervals (a write that fails, e.g. on a full disk, is one
 warning: training goes on and the next interval retries), and on SIGINT/SIGTERM stops after
 the step in flight, writes its resume state if that fits in the grace period, and returns 0.
-A second signal exits at once. The networked node is p2ptrain.net.runtime.
+A second signal exits at once. A run that diverges (a non-finite gradient or held-out loss)
+stops at once, writes nothing more and returns 1. The networked node is p2ptrain.net.runtime.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -18,6 +20,7 @@ import time
 from p2ptrain import checkpoint
 from p2ptrain.fsutil import describe_os_error
 from p2ptrain.housekeeping import Housekeeping
+from p2ptrain.learner import DIVERGED_HINT
 from p2ptrain.report import Reporter
 from p2ptrain.settings import Settings
 from p2ptrain.startup import Prepared, env_fault_hook, prepare
@@ -73,7 +76,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
         reporter.evaluated(learner.step, loss, average, now - start)
         return loss
 
-    reason = "stopped"
+    reason, diverged = "stopped", ""
     try:
         if plan.eval_every > 0 and learner.step == 0:
             eval_loss = learner.evaluate()
@@ -91,11 +94,18 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
             if bound:
                 reason = bound
                 break
-            result = learner.train_step()
+            try:
+                result = learner.train_step()
+            except FloatingPointError as exc:
+                diverged = f"{exc}"
+                break
             tokens += result.tokens
             now = time.monotonic()
             if plan.eval_due(now):
                 eval_loss = evaluate(now)
+                if not math.isfinite(eval_loss):
+                    diverged = f"held-out loss {eval_loss} at step {learner.step}"
+                    break
             if now - last_progress >= settings.log.every_seconds:
                 rate = tokens / max(now - window_start, 1e-9)
                 age = now - plan.last_save if saved_any else None
@@ -104,7 +114,9 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
                 last_progress, tokens, window_start = now, 0, now
             if plan.save_due(now, learner.step):
                 save()
-        if stop["signal"]:
+        if diverged:  # nothing more to save: the checkpoints before it are the ones to keep
+            reason = f"training diverged ({diverged}); {DIVERGED_HINT}"
+        elif stop["signal"]:
             # Stopping on a signal: write the resume state if it fits in the grace period.
             if plan.final_save_fits(time.monotonic(), stop["at"], learner.step):
                 save(final=True)
@@ -120,4 +132,4 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
     held = f", held-out loss {eval_loss:.3f}" if eval_loss is not None else ""
     reporter.info(f"stopped: {reason}; {learner.step} steps, {learner.samples:,} samples{held}",
                   event="stopped", reason=reason, step=learner.step, eval_loss=eval_loss)
-    return 0
+    return 1 if diverged else 0

@@ -9,7 +9,9 @@ Around it: the HTTP server (server.py), mDNS and seeds (discovery.py), the progr
 (progress.py), and the alone loop's schedule of evaluations, checkpoints and bounds
 (housekeeping.py). On SIGINT/SIGTERM: finish the step in flight, resign and leave, write the
 resume state if it fits in the grace period, send the mDNS goodbye, exit 0; a second signal
-exits at once. Helpers get narrow callables, never this object.
+exits at once. A failed step exits 1; so does a run that diverged (a non-finite held-out loss,
+or DIVERGED_SKIPS steps in a row discarded as non-finite), writing nothing more. Helpers get
+narrow callables, never this object.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import random
 import signal
@@ -31,6 +34,7 @@ from aiohttp import web
 from p2ptrain import checkpoint, proto
 from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.identity import load_or_create
+from p2ptrain.learner import DIVERGED_HINT
 from p2ptrain.net.auth import ServerAuth, Signer
 from p2ptrain.net.discovery import advertised_address, seed_loop, start_mdns
 from p2ptrain.net.joinflow import FETCHED_DIR, JoinFetcher
@@ -57,6 +61,7 @@ from p2ptrain.startup import env_fault_hook, member_info, prepare
 from p2ptrain.swarm import Swarm
 
 TERM_FILE = "term"  # highest term this node led: its term_floor after a restart
+DIVERGED_SKIPS = 20  # steps discarded in a row (non-finite loss or gradient): diverged
 
 
 class Runtime:
@@ -72,6 +77,7 @@ class Runtime:
         self.stats: dict[str, int] = {}
         self.stop_reason: str | None = None
         self.exit_code = 0
+        self.diverged, self.skip_run = False, 0  # skip_run: steps discarded in a row
         self._signalled = self._stopping = False
         self._stop = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
@@ -140,7 +146,7 @@ class Runtime:
                     self.outbox.send(action)
             elif kind is proto.RunStep:
                 self._start_step(action.step)
-            elif kind is proto.SaveCheckpoint:
+            elif kind is proto.SaveCheckpoint and not self.diverged:
                 self.saver.save(action.term, final=action.final, reason="leader")
             elif kind is LeaderChanged:
                 self._leader_changed(action)
@@ -209,11 +215,23 @@ class Runtime:
 
     def _step_failed(self, exc: BaseException) -> None:
         self.reporter.warn(f"training step failed: {exc!r}", event="step_failed")
-        self.request_stop(f"training step failed: {exc}")
+        self.request_stop(f"training step failed: {exc}", code=1)
+
+    def _diverged(self, why: str) -> None:
+        """Nothing more is written (the weights are no use); the run ends with exit 1."""
+        self.diverged = True
+        self.request_stop(f"training diverged ({why}); {DIVERGED_HINT}", code=1)
 
     def _step_done(self, step: int, loss: float, eval_loss: float | None) -> None:
+        skipped = self.node.skipped
         self.handle(proto.StepDone(step, loss))
         learner, now = self.learner, self.now()
+        self.skip_run = self.skip_run + 1 if self.node.skipped > skipped else 0
+        if self.skip_run >= DIVERGED_SKIPS:
+            return self._diverged(f"{self.skip_run} steps in a row with a non-finite loss "
+                                  f"or gradient, at step {learner.step}")
+        if eval_loss is not None and not math.isfinite(eval_loss):
+            return self._diverged(f"held-out loss {eval_loss} at step {learner.step}")
         if eval_loss is not None:
             self.handle(proto.Evaluated(eval_loss))
             self.reporter.evaluated(learner.step, eval_loss, self.steps.average_eval, now)
@@ -227,7 +245,8 @@ class Runtime:
         say_leader(self.reporter, action, self.node_id)
         if action.leader == self.node_id:
             record_term(self.state_dir / TERM_FILE, action.term, self.reporter.warn)
-            self.saver.save(action.term, reason="new leader")
+            if not self.diverged:
+                self.saver.save(action.term, reason="new leader")
 
     def _make_node(self, joined: bool = False) -> Node:
         seed = int.from_bytes(hashlib.sha256(
@@ -391,7 +410,9 @@ class Runtime:
         self.handle(proto.Leave())
         await self.outbox.drain(min(2.0, grace / 4))
         await self.saver.wait(grace / 2)
-        if self.plan.final_save_fits(self.now(), started, self.learner.step):
+        if self.diverged:
+            pass  # the weights are no use
+        elif self.plan.final_save_fits(self.now(), started, self.learner.step):
             self.saver.save(self.node.control.term, final=True, reason="stopping")
             await self.saver.wait(self.plan.grace_left(self.now(), started))
         elif self.learner.step > self.plan.first_step:

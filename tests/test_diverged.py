@@ -1,0 +1,43 @@
+"""A run that diverges (here: a learning rate of 1e9) says so in one line and exits 1, alone
+or in a swarm, and writes no checkpoint of the diverged weights: it used to end in a
+traceback (alone), or write a final checkpoint whose held-out loss was NaN and crash in the
+protocol -- and every later `join` on that state directory resumed it and crashed again."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain import checkpoint
+from tests.helpers import run_cli
+from tests.swarmlab import SwarmLab, free_ports, wait_for
+
+pytestmark = [pytest.mark.processes]
+
+
+def newest_step(state) -> int:
+    found = checkpoint.list_checkpoints(state / "checkpoints")
+    return checkpoint.read_manifest(found[0]).step if found else -1
+
+
+def test_a_diverged_alone_run_says_so_and_exits_1(tmp_path):
+    r = run_cli("join", "--alone", "--steps", "30", "--batch", "4", "--lr", "1e9",
+                "--state-dir", str(tmp_path / "s"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "training diverged" in out and "--lr" in out and "Traceback" not in out
+    assert newest_step(tmp_path / "s") <= 0  # nothing past the divergence
+
+
+def test_a_diverged_swarm_node_says_so_exits_1_and_leaves_no_poisoned_checkpoint(tmp_path):
+    with SwarmLab(tmp_path / "lab") as lab:
+        (port,) = free_ports(1)
+        env = lab.env(P2PTRAIN_NODE_MIN_PEERS="0", P2PTRAIN_EVAL_EVERY_SECONDS="1")
+        node = lab.start("a", port, [], "--lr", "1e9", "--batch", "4", "--steps", "400",
+                         env=env)
+        wait_for("the node to stop", lambda: not node.alive(), 120)
+        out = node.output()
+        assert node.popen.returncode == 1, out[-2000:]
+        assert "training diverged" in out and "Traceback" not in out
+        diverged_at = max(e.get("step", 0) for e in node.events()
+                          if e.get("event") == "stopping")
+        assert newest_step(node.state_dir) < max(diverged_at, 1)
