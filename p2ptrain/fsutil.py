@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 
 
@@ -68,3 +69,33 @@ def describe_os_error(exc: OSError) -> str:
     """One line for a failed write: what went wrong, and where."""
     where = f" ({exc.filename})" if exc.filename else ""
     return f"{exc.strerror or exc}{where}"
+
+
+def remove_orphans(parent: Path, prefix: str) -> list[Path]:
+    """Remove `parent/<prefix><pid>` entries whose process is gone (a SIGKILL or a power cut
+    left them: nothing else ever would); returns what was removed."""
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        pid = p.name[len(prefix):]
+        if not (p.name.startswith(prefix) and pid.isdigit()) or _alive(int(pid)):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, and is another user's
+        return True
+    return True

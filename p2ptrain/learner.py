@@ -119,6 +119,9 @@ class Learner:
         self.grad_clip = train.grad_clip
         self.total_samples = train.total_samples
         self.sampler = Sampler(corpus.train, model.ctx_len + 1, shard_seed(node_id, train.seed))
+        # where the data stands for the steps applied (a checkpoint's): the sampler itself runs
+        # ahead while the next step draws its batch in the step thread
+        self.data_position = self.sampler.position()
         self.heldout = eval_windows(corpus.heldout, model.ctx_len + 1, eval_count)
         self.eval_batch = min(EVAL_BATCH, batch // accum)  # windows per evaluation forward
         self.count = SwarmCount()
@@ -176,6 +179,7 @@ class Learner:
         self.step += 1
         self.samples += self.batch
         self.count.add(self.node_id, self.batch)
+        self.data_position = self.sampler.position()
         return StepResult(loss, norm, lr, self.batch, self.batch * self.model.ctx_len)
 
     def update_average(self) -> None:
@@ -247,7 +251,7 @@ class Learner:
         space = self.model.space
         outer_meta, outer_tensors = self.outer.state() if self.outer is not None else (None, [])
         state_meta = {"step": self.step, "samples": self.samples, "adam_t": self.opt.t,
-                      "node_id": self.node_id, "data": self.sampler.position()}
+                      "node_id": self.node_id, "data": dict(self.data_position)}
         if outer_meta is not None:
             state_meta[OUTER] = outer_meta
         live = []  # with an average in the model file, the trained weights go with the state
@@ -331,3 +335,4 @@ class Learner:
             if same_node:  # another node's data position means nothing for our shard
                 self.sampler = Sampler(self.sampler.tokens, self.sampler.window,
                                        self.sampler.seed, epoch, index)
+                self.data_position = self.sampler.position()

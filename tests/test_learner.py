@@ -165,3 +165,17 @@ def test_ema_must_be_below_one():
         resolve(None, {}, {"train.ema": -0.1})
     with pytest.raises(ValueError, match="train.ema"):
         make(ema=1.0)  # a TrainConfig built directly (the simulator's) is checked too
+
+
+def test_a_snapshot_taken_while_the_next_step_draws_its_batch_records_the_applied_position():
+    """The networked node snapshots on its loop while the step thread draws the next batch:
+    the checkpoint used to record the sampler's live position, so a resume skipped a batch
+    never trained on."""
+    lr = make()
+    lr.train_step()
+    applied = lr.sampler.position()
+    lr.compute_gradient()  # the next step's batch is drawn, not applied yet
+    assert lr.sampler.position() != applied
+    assert lr.snapshot(term=0).state_meta["data"] == applied
+    lr.apply_gradient(lr.grad, 1.0)
+    assert lr.snapshot(term=0).state_meta["data"] == lr.sampler.position()

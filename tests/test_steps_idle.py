@@ -41,3 +41,34 @@ def test_idle_waits_for_the_step_in_flight_and_its_hand_over():
 
     asyncio.run(main())
     assert [s for s, _ in done] == [1, 2] and seen_by_idle == [1, 2]
+
+
+def test_idle_waits_for_a_result_a_checkpoint_write_holds_back():
+    """A write that reads the buffers holds the step's result back (Saver.after_write): idle
+    used to return as soon as the step ended, and the join's judge then loaded a fetched
+    checkpoint's weights into the gradient buffer the held result was about to apply."""
+    trainer = learner("cd" * 16)
+    held: list = []
+    done: list[int] = []
+    order: list[str] = []
+
+    def defer(fn):  # a write in progress: the result waits until `release`
+        return lambda *args: held.append(lambda: fn(*args))
+
+    async def main() -> None:
+        with ThreadPoolExecutor(1) as pool:
+            stepper = Stepper(trainer, pool, _NoEvaluations(), time.monotonic,
+                              lambda step, loss, _e: (done.append(step), order.append("done")),
+                              _failed, defer)
+            stepper.start(1, hold=False)
+            waiter = asyncio.ensure_future(stepper.idle())
+            await asyncio.wait([stepper.future])
+            await asyncio.sleep(0)
+            assert held and not done and not waiter.done()  # the step is over, its result held
+            order.append("release")
+            held.pop()()  # the write ends
+            await waiter
+            order.append("idle")
+
+    asyncio.run(main())
+    assert done == [1] and order == ["release", "done", "idle"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -197,3 +198,21 @@ def test_a_node_whose_tokenizer_differs_is_refused_naming_the_tokenizer(shakespe
         assert "tokenizer" in refused[0]["message"]
         assert a.status()["members"] == [] and b.status()["members"] == []
         lab.stop_all()
+
+
+def test_a_killed_prepares_leftovers_are_removed_by_the_next(shakespeare, tmp_path):
+    """A prepare killed (SIGKILL, power) leaves `.<out>.tmp-<pid>`: the pid is in the name,
+    so no later run removed it (gigabytes for a real corpus)."""
+    import subprocess
+
+    root, tokenizer, _, _ = shakespeare
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    orphan = tmp_path / f".corpus.tmp-{dead.pid}"
+    (orphan / "shards").mkdir(parents=True)
+    (orphan / "shards" / "0.bin").write_bytes(b"x" * 1000)
+    mine = tmp_path / f".corpus.tmp-{os.getpid()}x"  # not a pid: not ours to judge
+    mine.mkdir()
+    prepare([root / "text"], tokenizer, tmp_path / "corpus", shard_tokens=50_000,
+            progress=False, say=lambda *_: None)
+    assert not orphan.exists() and mine.exists() and (tmp_path / "corpus").is_dir()

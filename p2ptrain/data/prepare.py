@@ -33,7 +33,7 @@ from p2ptrain.data.tokens import (
     dtype_for,
     sha256_file,
 )
-from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
+from p2ptrain.fsutil import atomic_write_bytes, fsync_dir, remove_orphans
 
 BLOCK_BYTES = 8 * 2**20  # text tokenized at once (cut at a line end)
 SHARD_TOKENS = 2**27  # ids per shard (256 MiB of uint16)
@@ -164,6 +164,7 @@ def prepare(inputs: list[Path], tokenizer_path: Path, out: Path, holdout_fractio
     files = input_files(inputs)
     total_bytes = sum(p.stat().st_size for p in files)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    remove_orphans(out.parent, f".{out.name}.tmp-")  # of runs killed before their cleanup
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -187,6 +188,8 @@ def prepare(inputs: list[Path], tokenizer_path: Path, out: Path, holdout_fractio
             raise TokenDataError(f"the inputs give {total} tokens: too few to split")
         shards = _split(tmp, writer.parts, cut, DTYPES[dtype_name])
         shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+        with open(tmp / TOKENIZER_FILE, "rb") as f:  # durable before the rename publishes it
+            os.fsync(f.fileno())
         meta = {"format": FORMAT, "vocab_size": vocab, "dtype": dtype_name,
                 "tokenizer_sha256": sha256_file(tmp / TOKENIZER_FILE), "tokens": total,
                 "holdout_fraction": holdout_fraction, **shards,

@@ -324,7 +324,7 @@ class Runtime:
                            env_fault_hook(reporter), self.plan,
                            lambda active: self.handle(proto.Reading(active)))
         self.steps = Stepper(self.learner, self.step_pool, self.plan, self.now,
-                             self.saver.after_write(self._step_done), self._step_failed)
+                             self._step_done, self._step_failed, self.saver.after_write)
         keys = keyring_of(self.swarm, self.settings.swarm, self.state_dir, reporter)
         self.auth = ServerAuth(keys, self.node_id, self.identity.incarnation)
         self.signer = Signer(keys, self.node_id, self.identity.incarnation)

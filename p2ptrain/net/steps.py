@@ -29,10 +29,16 @@ class Stepper:
 
     def __init__(self, learner: Learner, executor: Executor, plan: Housekeeping,
                  now: Callable[[], float], done: Callable[[int, float, float | None], None],
-                 failed: Callable[[BaseException], None]):
+                 failed: Callable[[BaseException], None],
+                 defer: Callable[[Callable[..., None]], Callable[..., None]] | None = None):
         self.learner, self.executor, self.plan, self.now = learner, executor, plan, now
         self.done, self.failed = done, failed
+        # `defer` may hold a result back (Saver.after_write: a checkpoint write reads the
+        # buffers); `idle` waits for the result to reach `done`, not only for the step
+        self._hand_over = (defer or (lambda fn: fn))(self._deliver)
         self.future: asyncio.Future | None = None  # the step in flight
+        self.undelivered: int | None = None  # a finished step whose result is held back
+        self._delivered: asyncio.Event | None = None
         self.parked: int | None = None  # a step held back (joining, stopping)
         self.counts = [0] * len(STEP_BUCKETS)  # steps whose compute time fell in each bucket
         self.count, self.seconds, self.tokens = 0, 0.0, 0  # steps, their time and tokens
@@ -52,8 +58,18 @@ class Stepper:
     async def idle(self) -> None:
         """Return once no step is in flight and the last one's result went to the node (the
         gradient buffer is free: a join judges a fetched checkpoint in it)."""
-        while self.future is not None:
-            await asyncio.wait([self.future])  # its own callback (`_finished`) runs first
+        while self.future is not None or self.undelivered is not None:
+            if self.future is not None:
+                await asyncio.wait([self.future])  # its own callback (`_finished`) runs first
+            else:
+                self._delivered = asyncio.Event()
+                await self._delivered.wait()
+
+    def _deliver(self, step: int, loss: float, eval_loss: float | None) -> None:
+        self.undelivered = None
+        if self._delivered is not None:
+            self._delivered.set()
+        self.done(step, loss, eval_loss)
 
     def release(self) -> None:
         """Run the parked step, if any."""
@@ -96,4 +112,5 @@ class Stepper:
         if eval_loss is not None:
             self.plan.evaluated(self.now())
             self.average_eval = average_eval
-        self.done(step, float(loss), eval_loss)
+        self.undelivered = step
+        self._hand_over(step, float(loss), eval_loss)
