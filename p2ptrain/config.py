@@ -59,6 +59,7 @@ class Option:
     flag: str | None = None  # command-line flag, e.g. "--batch"
     choices: tuple[str, ...] | None = None  # accepted values of a str option
     minimum: float | None = None  # smallest accepted value of a number
+    maximum: float | None = None  # largest accepted value of a number
 
     @property
     def env(self) -> str:
@@ -70,12 +71,19 @@ class Option:
             return "one of " + ", ".join(self.choices)
         what = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
         text = what[self.kind]
+        if self.kind is str and self.default:
+            text = "a non-empty string"
+        if self.minimum is not None and self.maximum is not None:
+            lo, hi = (f"{v:,}" if self.kind is int else f"{v:g}"
+                      for v in (self.minimum, self.maximum))
+            return f"{text} in [{lo}, {hi}]"
         return f"{text} >= {self.minimum:g}" if self.minimum is not None else text
 
     def parse(self, raw: Any, origin: str) -> Any:
         """Check and convert `raw` (a string from a flag or the environment, or a TOML value)."""
+        shown = repr(raw) if len(repr(raw)) <= 80 else repr(raw)[:77] + "..."
         bad = ConfigError(
-            f"{origin}: {self.key} = {raw!r} is not valid; expected {self.accepted()}")
+            f"{origin}: {self.key} = {shown} is not valid; expected {self.accepted()}")
         value: Any
         if self.kind is bool:
             if isinstance(raw, bool):
@@ -98,17 +106,19 @@ class Option:
                 raise bad
             try:
                 value = float(raw) if isinstance(raw, str | int | float) else None
-            except ValueError:
+            except (ValueError, OverflowError):  # an int too big for a float
                 raise bad from None
             if value is None or value != value or value in (float("inf"), float("-inf")):
                 raise bad
         else:
-            if not isinstance(raw, str):
-                raise bad
+            if not isinstance(raw, str) or (not raw.strip() and self.default):
+                raise bad  # empty where a default exists: a mistake (state_dir "" was the cwd)
             value = raw
         if self.choices and value not in self.choices:
             raise bad
         if self.minimum is not None and value < self.minimum:
+            raise bad
+        if self.maximum is not None and value > self.maximum:
             raise bad
         return value
 
@@ -123,7 +133,8 @@ def _section_options() -> list[Option]:
             if meta is None:
                 continue
             out.append(Option(f"{section}.{f.name}", type(f.default), f.default, meta["help"],
-                              meta["flag"], meta["choices"], meta["minimum"]))
+                              meta["flag"], meta["choices"], meta["minimum"],
+                              meta.get("maximum")))
     return out
 
 
@@ -141,7 +152,7 @@ def _model_options() -> list[Option]:
                 continue
             help_text = f.metadata.get("help", f"{name} model: {f.name.replace('_', ' ')}")
             out.append(Option(f"model.{name}.{f.name}", kind, value, help_text,
-                              minimum=None if kind is bool else 0))
+                              minimum={bool: None, int: 1}.get(kind, 0)))
     return out
 
 

@@ -45,7 +45,7 @@ class TrainConfig:
     """[train] (p2ptrain.settings): batch, optimiser, schedule and the bounds of a run."""
 
     batch: int = option(0, "samples per step; 0: chosen from the hardware", flag="--batch",
-                        minimum=0)
+                        minimum=0, maximum=1 << 24)
     accum: int = option(0, "micro-batches per step; 0: chosen from memory", minimum=0)
     lr: float = option(4e-3, "peak learning rate", flag="--lr", minimum=0)
     min_lr_ratio: float = option(0.1, "cosine floor as a fraction of the peak", minimum=0)

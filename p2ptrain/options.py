@@ -1,5 +1,5 @@
 """How a settings dataclass declares its options: `option(default, help, ...)` is a dataclass
-field whose metadata carries the help line, flag, accepted choices and lower bound.
+field whose metadata carries the help line, flag, accepted choices and bounds.
 
 `p2ptrain.config` turns every such field of the settings dataclasses (proto's `GossipConfig`
 and `NodeConfig`, and the driver sections in `p2ptrain.settings`) into one entry of the option
@@ -14,9 +14,11 @@ from typing import Any
 
 
 def option(default: Any, help: str, *, flag: str | None = None,
-           choices: tuple[str, ...] | None = None, minimum: float | None = None) -> Any:
+           choices: tuple[str, ...] | None = None, minimum: float | None = None,
+           maximum: float | None = None) -> Any:
     """A dataclass field that is also a configuration option (TOML key = field name)."""
-    meta = {"help": help, "flag": flag, "choices": choices, "minimum": minimum}
+    meta = {"help": help, "flag": flag, "choices": choices, "minimum": minimum,
+            "maximum": maximum}
     return dataclasses.field(default=default, metadata={"option": meta})
 
 

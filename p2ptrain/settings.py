@@ -121,7 +121,8 @@ class SwarmConfig:
 class NetConfig:
     """[net]: listening, advertising, discovery, upload cap, protocol timing."""
 
-    port: int = option(7100, "TCP port of this node's HTTP API", flag="--port", minimum=0)
+    port: int = option(7100, "TCP port of this node's HTTP API", flag="--port", minimum=0,
+                       maximum=65535)
     bind: str = option("0.0.0.0", "address the HTTP API listens on", flag="--bind")
     advertise: str = option("", "address peers should use to reach this node (empty: the "
                             "first non-loopback address)", flag="--advertise")

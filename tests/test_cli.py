@@ -242,3 +242,40 @@ def test_checkpoint_fetch_from_a_host_answering_nonsense_says_so(tmp_path, statu
         server.wait()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "no leader of swarm" in r.stderr, r.stderr
+
+
+def test_init_takes_the_name_from_its_config_names_what_it_leaves_out_and_errs_in_a_line(
+        tmp_path):
+    start = tmp_path / "start.toml"
+    start.write_text('[swarm]\nname = "fromfile"\n[train]\nbatch = 8\nlr = 0.01\n')
+    r = run_cli("init", "--config", str(start), "--out", str(tmp_path / "s"))
+    assert r.returncode == 0, r.stderr
+    assert "swarm 'fromfile'" in r.stdout  # used to be 'p2ptrain', the file's name ignored
+    assert "train.batch" in r.stderr and "per node" in r.stderr  # said, not silently dropped
+    assert "lr = 0.01" in (tmp_path / "s" / "swarm.toml").read_text()
+    (tmp_path / "afile").write_text("x")
+    r = run_cli("init", "--out", str(tmp_path / "afile"))
+    assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_token_files_with_a_byte_order_mark_or_not_text(tmp_path):
+    r = run_cli("init", "--out", str(tmp_path / "s"))
+    token = next(w for w in r.stdout.split() if w.startswith("p2pt"))
+    (tmp_path / "bom").write_bytes(b"\xef\xbb\xbf" + token.encode() + b"\r\n")
+    (tmp_path / "bad").write_bytes(b"\xff\xfe\x00")
+    peer = ("--peer", "127.0.0.1:1", "--timeout", "1", "--out", str(tmp_path / "o"))
+    r = run_cli("checkpoint", "fetch", "--token-file", str(tmp_path / "bom"), *peer)
+    assert "nothing listens" in r.stderr, r.stderr  # the token was read; no node there
+    r = run_cli("checkpoint", "fetch", "--token-file", str(tmp_path / "bad"), *peer)
+    assert r.returncode == 2 and "is not text" in r.stderr
+
+
+def test_a_reader_that_leaves_early_is_no_traceback():
+    proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "config", "show"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(),
+                            cwd=REPO)
+    proc.stdout.read(10)
+    proc.stdout.close()  # as `| head -1` does
+    err = proc.stderr.read().decode()
+    proc.wait(60)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

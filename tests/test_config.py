@@ -34,7 +34,12 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
 
 @pytest.mark.parametrize("key,raw,match", [
     ("model.name", "gpt9", "one of rwkv, mlp"),
-    ("train.batch", "-1", "integer >= 0"),
+    ("train.batch", "-1", r"integer in \[0, 16,777,216\]"),
+    ("train.batch", "1" + "0" * 20, r"integer in \[0, 16,777,216\]"),  # numpy refused it
+    ("net.port", "99999", r"integer in \[0, 65,535\]"),  # bind() raised OverflowError
+    ("train.lr", "1" + "0" * 400, "a number"),  # float() raised OverflowError
+    ("model.rwkv.n_embd", "0", "integer >= 1"),  # the model raised ValueError
+    ("node.state_dir", "", "a non-empty string"),  # "" was the current directory
     ("train.lr", "fast", "a number"),
     ("log.format", "xml", "one of text, json"),
     ("train.duration", "nan", "a number"),

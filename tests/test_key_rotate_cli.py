@@ -111,3 +111,14 @@ def test_key_rotate_needs_a_key_file_and_a_previous_key_needs_a_swarm(tmp_path, 
     swarm = new_swarm("x")
     with pytest.raises(SwarmError, match="nothing was rotated"):
         swarm.with_previous(swarm)
+
+
+@pytest.mark.parametrize("grace", ["inf", "nan", "-1"])
+def test_a_grace_that_is_not_a_finite_count_of_seconds_changes_nothing(tmp_path, capsys, grace):
+    """--grace inf rotated the key and wrote a config that join then refused."""
+    swarm = new_swarm("fleet")
+    _, config = write_init_files(swarm, tmp_path / "swarm-fleet", CONFIG)
+    before = {p.name: p.read_bytes() for p in config.parent.iterdir()}
+    assert main(["key", "rotate", "--config", str(config), "--grace", grace]) == 2
+    assert "--grace" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in config.parent.iterdir()} == before

@@ -14,6 +14,7 @@ configuration, then the new key.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -95,8 +96,8 @@ def cmd_key_rotate(args) -> int:
     if not prev_path.is_absolute():
         prev_path = config_path.parent / prev_path
     grace = cfg["swarm.previous_key_grace"] if args.grace is None else args.grace
-    if grace < 0:
-        raise UserError("--grace: seconds, at least 0")
+    if not (math.isfinite(grace) and grace >= 0):  # inf was written, then refused by join
+        raise UserError(f"--grace {grace}: seconds, a finite number at least 0")
     text = config_path.read_text()
     new_text = set_swarm_lines(text, [
         f"previous_key_file = {json.dumps(prev_text)}  # secret: the key before the last "

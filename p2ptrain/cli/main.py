@@ -50,6 +50,17 @@ def _add_option_flags(parser: argparse.ArgumentParser, keys: list[str]) -> None:
                                 metavar=key.split(".")[-1].upper(), help=text)
 
 
+def _positive(text: str) -> float:
+    """A finite number of seconds > 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number > 0")
+    return value
+
+
 def _add_no_mdns(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-mdns", dest="opt:net.mdns", action="store_const", const="false",
                         default=None, help="do not use mDNS; find peers by --peer only "
@@ -94,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Write the swarm's configuration (swarm.toml, edit it "
                           "before the first join) and a 256-bit key (swarm.key, mode 0600) "
                           "into --out, and print the join token and join commands.")
-    init.add_argument("--name", default="p2ptrain",
-                      help="swarm name (letters, digits, - _; default p2ptrain)")
+    init.add_argument("--name", default=None,
+                      help="swarm name (letters, digits, - _; default: --config's "
+                           "swarm.name, else p2ptrain)")
     init.add_argument("--out", default=None, help="directory to write (default ./swarm-NAME)")
     init.add_argument("--config", help="TOML file with the settings the swarm should start from")
     _add_option_flags(init, ["model.name"])
@@ -118,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--peer", default=None, help="a node of the swarm, HOST:PORT")
     fetch.add_argument("--config", help="the swarm's configuration file (instead of --token)")
     fetch.add_argument("--out", default=".", help="directory to write the checkpoint into")
-    fetch.add_argument("--timeout", type=float, default=30.0,
+    fetch.add_argument("--timeout", type=_positive, default=30.0,
                        help="seconds to look for the leader (default 30)")
     fetch.add_argument("--weights-only", action="store_true",
                        help="fetch model.safetensors only, not the optimiser state (enough to "
@@ -126,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--leader-only", action="store_true",
                        help="fetch from the leader alone, not from every holder")
     _add_option_flags(fetch, SWARM_KEYS)
+    _add_no_mdns(fetch)
 
     from p2ptrain.cli.loracmds import BASE_HELP, add_merge_parser
 
@@ -162,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("target", nargs="?", choices=["model", "codecs"], default="model")
     bench.add_argument("--size", type=int, default=None,
                        help="codecs: vector length (default 100M); model: batch size (default 32)")
-    bench.add_argument("--seconds", type=float, default=10.0,
+    bench.add_argument("--seconds", type=_positive, default=10.0,
                        help="model: time to measure (default 10)")
     bench.add_argument("--repeats", type=int, default=3,
                        help="codecs: runs per codec; the median is reported")
@@ -204,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("p2ptrain: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `p2ptrain config show | head`: the reader left, as for `cat`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
+        return 128 + 13
 
 
 if __name__ == "__main__":

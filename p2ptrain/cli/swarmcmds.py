@@ -35,6 +35,7 @@ from p2ptrain.config import (
     swarm_options,
 )
 from p2ptrain.errors import UserError
+from p2ptrain.fsutil import describe_os_error
 from p2ptrain.net.auth import AuthError
 from p2ptrain.net.neterrors import explain
 from p2ptrain.report import Reporter, human_count
@@ -75,10 +76,13 @@ def _current_swarm(cfg: Config, config_file: str | None) -> Swarm:
     token = cfg["swarm.token"]
     if not token and cfg["swarm.token_file"]:
         path = Path(cfg["swarm.token_file"]).expanduser()
-        try:
-            token = path.read_text().strip()
+        try:  # utf-8-sig: a byte-order mark (Windows editors) is not part of the token
+            token = path.read_text(encoding="utf-8-sig").strip()
         except OSError as exc:
             raise SwarmError(f"token file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise SwarmError(f"token file {path} is not text: it should hold the line "
+                             f"`p2ptrain init` printed") from None
     if token:
         return parse_token(token)
     if cfg["swarm.key_file"]:
@@ -195,9 +199,18 @@ def _swarm_toml(cfg: Config, name: str) -> str:
 
 def cmd_init(args, flags: dict) -> int:
     cfg = resolve(config_file_from(getattr(args, "config", None)), os.environ, flags)
-    swarm = new_swarm(args.name)
+    swarm = new_swarm(args.name or cfg["swarm.name"] or "p2ptrain")
     out = Path(args.out or f"swarm-{swarm.name}").expanduser()
-    key_path, config_path = write_init_files(swarm, out, _swarm_toml(cfg, swarm.name))
+    try:
+        key_path, config_path = write_init_files(swarm, out, _swarm_toml(cfg, swarm.name))
+    except OSError as exc:
+        raise UserError(f"cannot write {out}: {describe_os_error(exc)}") from None
+    dropped = sorted(k for k, where in cfg.sources.items() if where.startswith("file")
+                     and not k.startswith(SWARM_KEY_PREFIXES) and k != "swarm.name")
+    if dropped:  # they are each machine's, not the swarm's
+        print(f"note: {', '.join(dropped)} from {args.config} are per node, not written to "
+              f"swarm.toml: set them on each machine (flags, environment or its own file)",
+              file=sys.stderr)
     print(f"swarm {swarm.name!r} (id {swarm.swarm_id}) written to {out}/")
     print(f"  {config_path}   the swarm's configuration (edit before the first join)")
     print(f"  {key_path}    the swarm key (secret, mode 0600)")
