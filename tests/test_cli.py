@@ -279,3 +279,14 @@ def test_a_reader_that_leaves_early_is_no_traceback():
     err = proc.stderr.read().decode()
     proc.wait(60)
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_model_too_big_for_memory_is_a_clear_error(tmp_path):
+    """Under a 3 GB address-space limit the 1.5B preset cannot be allocated: a numpy
+    MemoryError traceback, before; now one line pointing at `p2ptrain hw`."""
+    r = subprocess.run(["prlimit", "--as=3000000000", sys.executable, "-m", "p2ptrain", "join",
+                        "--alone", "--preset", "rwkv-1b5", "--steps", "1", "--state-dir",
+                        str(tmp_path / "s")], capture_output=True, text=True, env=cli_env(),
+                       cwd=REPO, timeout=300)
+    assert r.returncode == 1 and "out of memory" in r.stderr and "p2ptrain hw" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -217,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("p2ptrain: interrupted", file=sys.stderr)
         return 130
+    except MemoryError as exc:  # numpy's too-big allocation says how much it wanted
+        print(f"p2ptrain: error: out of memory ({exc or 'an allocation failed'}); `p2ptrain hw` "
+              f"shows the largest model this machine holds: choose a smaller model, --batch "
+              f"or train.accum", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # `p2ptrain config show | head`: the reader left, as for `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
         return 128 + 13

@@ -26,6 +26,7 @@ the shapes only: no state, no I/O.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from p2ptrain.proto.messages import Body, register
@@ -53,8 +54,8 @@ def _check_part(part: int, parts: int) -> None:
 
 def _check_progress(step: int, loss: float) -> None:
     check_count(step, "step")
-    if not loss >= 0.0:
-        raise ValueError("loss must be >= 0")
+    if not 0.0 <= loss < math.inf:  # the wire refuses NaN and inf; a body built here too
+        raise ValueError("loss must be finite and >= 0")
 
 
 @register(32)
