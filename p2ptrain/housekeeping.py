@@ -1,6 +1,8 @@
 """When a running node evaluates, checkpoints and stops: one policy for both drivers (the
 alone loop in solo.py and the networked runtime), so `--steps`, `--duration`, the evaluation
-and checkpoint intervals and the grace period mean the same thing everywhere.
+and checkpoint intervals and the grace period mean the same thing everywhere. Also when a run
+has diverged (`diverged`): a non-finite held-out loss, or DIVERGED_SKIPS steps in a row
+discarded as non-finite -- the driver then stops with exit 1 and writes nothing more.
 
 Times are seconds on the driver's monotonic clock, passed in; this file never reads a clock,
 sleeps or touches a file.
@@ -8,7 +10,12 @@ sleeps or touches a file.
 
 from __future__ import annotations
 
+import math
+
+from p2ptrain.learner import DIVERGED_HINT
 from p2ptrain.settings import Settings
+
+DIVERGED_SKIPS = 20  # steps discarded in a row (non-finite loss or gradient): diverged
 
 
 class Housekeeping:
@@ -25,6 +32,7 @@ class Housekeeping:
         self.last_eval = start
         self.last_save = start  # when the last checkpoint write started
         self.save_seconds = 0.0  # how long the last checkpoint write took
+        self.skip_run = 0  # steps discarded in a row
 
     def eval_due(self, now: float) -> bool:
         return self.eval_every > 0 and now - self.last_eval >= self.eval_every
@@ -59,3 +67,14 @@ class Housekeeping:
         the grace period (twice the last write's time, plus a second)."""
         return (step > self.first_step
                 and self.grace_left(now, stopping_since) > 2 * self.save_seconds + 1)
+
+    def diverged(self, step: int, skipped: bool, eval_loss: float | None) -> str:
+        """After a step (`skipped`: discarded as non-finite): why the run diverged, or ""."""
+        self.skip_run = self.skip_run + 1 if skipped else 0
+        if self.skip_run >= DIVERGED_SKIPS:
+            why = f"{self.skip_run} steps in a row with a non-finite loss or gradient"
+        elif eval_loss is not None and not math.isfinite(eval_loss):
+            why = f"held-out loss {eval_loss}"
+        else:
+            return ""
+        return f"training diverged ({why}, at step {step}); {DIVERGED_HINT}"

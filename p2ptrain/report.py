@@ -107,6 +107,14 @@ class Reporter:
                    f"({elapsed:.0f}s)", {"step": step, "eval_loss": eval_loss,
                                          "average_eval_loss": average, "elapsed_s": elapsed})
 
+    def stopped(self, reason: str | None, step: int, samples: int,
+                eval_loss: float | None) -> None:
+        """The run's last line: why it stopped and how far it got."""
+        held = f", held-out loss {eval_loss:.3f}" if eval_loss is not None else ""
+        self._emit(logging.INFO, "stopped", f"stopped: {reason}; {step} steps, "
+                   f"{human_count(samples)} samples{held}",
+                   {"reason": reason, "step": step, "eval_loss": eval_loss})
+
     def progress(self, step: int, loss: float, eval_loss: float | None, tokens_per_s: float,
                  samples: int, swarm_samples: int, total_samples: int, lr: float,
                  checkpoint_age: float | None) -> None:

@@ -12,7 +12,6 @@ stops at once, writes nothing more and returns 1. The networked node is p2ptrain
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
@@ -96,15 +95,14 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
                 break
             try:
                 result = learner.train_step()
-            except FloatingPointError as exc:
-                diverged = f"{exc}"
+            except FloatingPointError as exc:  # the alone loop applies what it computes
+                diverged = f"training diverged ({exc}); {DIVERGED_HINT}"
                 break
             tokens += result.tokens
             now = time.monotonic()
             if plan.eval_due(now):
                 eval_loss = evaluate(now)
-                if not math.isfinite(eval_loss):
-                    diverged = f"held-out loss {eval_loss} at step {learner.step}"
+                if diverged := plan.diverged(learner.step, False, eval_loss):
                     break
             if now - last_progress >= settings.log.every_seconds:
                 rate = tokens / max(now - window_start, 1e-9)
@@ -115,7 +113,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
             if plan.save_due(now, learner.step):
                 save()
         if diverged:  # nothing more to save: the checkpoints before it are the ones to keep
-            reason = f"training diverged ({diverged}); {DIVERGED_HINT}"
+            reason = diverged
         elif stop["signal"]:
             # Stopping on a signal: write the resume state if it fits in the grace period.
             if plan.final_save_fits(time.monotonic(), stop["at"], learner.step):
@@ -129,7 +127,5 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-    held = f", held-out loss {eval_loss:.3f}" if eval_loss is not None else ""
-    reporter.info(f"stopped: {reason}; {learner.step} steps, {learner.samples:,} samples{held}",
-                  event="stopped", reason=reason, step=learner.step, eval_loss=eval_loss)
+    reporter.stopped(reason, learner.step, learner.samples, eval_loss)
     return 1 if diverged else 0

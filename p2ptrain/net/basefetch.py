@@ -10,8 +10,9 @@ id known in advance.
    chunk in flight is held in memory), each source taking the next chunk as soon as one of
    its requests ends (fast links take more). Each answer's MAC, Content-Range and xxh3_64
    are checked before the chunk is written in place.
-3. A transport error, 5xx, bad MAC or a chunk not in within its allowance (fetch.py's GRACE
-   and floor rate) puts the chunk back and rests the source; SOURCE_FAILURES
+3. A transport error, 5xx or bad MAC puts the chunk back and rests the source; a request
+   slow where another source could do far better is taken back (fetch.py's rule, step 4;
+   not a failure); SOURCE_FAILURES
    in a row drop it. A source serving bytes that do not match is dropped at once. No source
    left, or a chunk that failed RETRIES times, ends the fetch with every source's story.
 4. The file is written into out_root/.partial-base-<id>/, fsynced with the manifest, and
@@ -51,6 +52,7 @@ from p2ptrain.net.fetch import (
     MAX_IN_FLIGHT,
     MIN_RATE,
     RATE_SPREAD,
+    REFRESH,
     SOURCE_FAILURES,
     FetchError,
     Source,
@@ -187,22 +189,41 @@ async def _chunks(sources: list[Source], base_id: str, target: Path, size: int, 
                         f"its manifest")
         await asyncio.to_thread(write_chunk, target, first, body)
 
-    async def timed(src: Source, i: int) -> None:
-        """`one`, given up past its allowance (fetch.py's rule: a source trickling bytes
-        never times out, and the chunk it holds would hold up the end of the fetch)."""
+    busy: dict[Source, int] = {}  # requests in flight per source
+
+    def preempt(src: Source, length: int, elapsed: float) -> str:
+        """fetch.py's rule (`_Run._preempt`): another source could do far better."""
+        if elapsed < GRACE:
+            return ""
+        upper = length / elapsed
+        for other in sources:
+            if other is src or other.dropped or other.conn is None:
+                continue
+            if other.rate > RATE_SPREAD * upper or (
+                    other.rate == 0 and not busy.get(other) and upper < MIN_RATE):
+                return f"under {upper / 1024:.0f} KiB/s after {elapsed:.0f}s"
+        return ""
+
+    async def timed(src: Source, i: int) -> str:
+        """`one`, taken back (its reason returned) when `preempt` says so: a source trickling
+        bytes never times out, and the chunk it holds would hold up the end of the fetch."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        floor = max(MIN_RATE, max(s.rate for s in sources) / RATE_SPREAD)
         length = min(size, (i + 1) * chunk) - i * chunk
+        task = asyncio.ensure_future(one(src, i))
+        busy[src] = busy.get(src, 0) + 1
         try:
-            async with asyncio.timeout(GRACE + length / floor):
-                await one(src, i)
-        except TimeoutError:
-            src.rate = min(src.rate or math.inf, length / (loop.time() - started))
-            raise _Retry(f"chunk {i} not in after {loop.time() - started:.0f} s (the floor: "
-                         f"{floor / 1024:.0f} KiB/s)") from None
+            while not (await asyncio.wait({task}, timeout=REFRESH))[0]:
+                if why := preempt(src, length, loop.time() - started):
+                    src.rate = min(src.rate or math.inf, length / (loop.time() - started))
+                    return why
+            task.result()  # its failure, if any
+        finally:
+            busy[src] -= 1
+            task.cancel()
         sample = length / max(loop.time() - started, 1e-6)
         src.rate = sample if src.rate == 0 else 0.7 * src.rate + 0.3 * sample
+        return ""
 
     async def worker(src: Source) -> None:
         while not src.dropped and not failed:
@@ -212,7 +233,9 @@ async def _chunks(sources: list[Source], base_id: str, target: Path, size: int, 
                 return
             async with slots:
                 try:
-                    await timed(src, i)
+                    if await timed(src, i):  # taken back: not a failure of the source;
+                        todo.put_nowait(i)  # its worker ends, and the next round's workers
+                        return  # start fastest source first (they take the chunks first)
                 except (_Retry, _Drop) as exc:
                     todo.put_nowait(i)
                     tries[i] += 1
@@ -237,6 +260,7 @@ async def _chunks(sources: list[Source], base_id: str, target: Path, size: int, 
 
     live = [s for s in sources if s.conn is not None and not s.dropped]
     while todo.qsize() and live and not failed:
+        live.sort(key=lambda s: -s.rate)
         await asyncio.gather(*(worker(s) for s in live for _ in range(IN_FLIGHT)))
         live = [s for s in sources if s.conn is not None and not s.dropped]
     if done[0] < len(hashes):

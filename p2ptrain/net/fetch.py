@@ -18,11 +18,14 @@
    stealing); at the tail an idle source duplicates a chunk still in flight elsewhere when
    it would likely finish it sooner, and the first copy to arrive wins. Each answer's MAC and
    the chunk's xxh3_64 are checked before it is written.
-4. Failures: a transport error, a 5xx, a bad MAC or a chunk not in within its allowance
-   (GRACE plus its bytes at a floor rate that follows the fastest source: a source trickling
-   a byte a minute never times out, and would hold the slots) backs the source off
-   (doubling from BACKOFF) and puts the chunk back for anyone; SOURCE_FAILURES in a row drop
-   the source.
+4. Failures: a transport error, a 5xx or a bad MAC backs the source off (doubling from
+   BACKOFF) and puts the chunk back for anyone; SOURCE_FAILURES in a row drop the source.
+   A request that is slow where another source could do better is taken back (`_preempt`,
+   not a failure): after GRACE, when a source is measured RATE_SPREAD times faster than
+   the request can be going, or when the request is under MIN_RATE while a source not yet
+   tried waits for a slot. A source trickling a byte a minute never times out and would
+   otherwise hold the slots; a slow source alone, or several slowed alike by this node's
+   own link, are never taken back.
    A source whose authentic answer carries bytes that do not match the manifest is named
    and dropped at once (its disk rotted, or it lies). "Not held here" (a partial holder)
    only takes the chunk off that source's list. A chunk that failed `chunk_retries + 1`
@@ -79,8 +82,8 @@ BACKOFF, BACKOFF_MAX = 0.25, 8.0  # s a failing source rests: doubles per failur
 REFRESH = 1.0  # s between asking a partial holder which chunks it has now
 SOURCE_POLL = 2.0  # s between looks at `more_sources`
 NOT_HELD_GRACE = 30.0  # s a source that holds none of the checkpoint yet is asked again
-# one chunk request is given up (and counts as a failure) after GRACE s plus its bytes at
-# max(MIN_RATE, the fastest source's rate / RATE_SPREAD): 4 MiB at 16 KiB/s is ~4.5 min
+# a slow request is taken back from its source (step 4) after GRACE s, when another is
+# RATE_SPREAD times faster, or under MIN_RATE while an untried source waits for a slot
 GRACE = 15.0
 MIN_RATE = 16 * 1024
 RATE_SPREAD = 32
@@ -349,6 +352,7 @@ class _Run:
         self.done_bytes = self.total - sum(c.length for c in self.chunks)
         self.error: FetchError | None = None
         self.workers: set[asyncio.Task] = set()
+        self.preempted: dict[str, str] = {}  # source -> why a request of it was last taken back
         self._event = asyncio.Event()
         self.slots = asyncio.Semaphore(MAX_IN_FLIGHT)
 
@@ -419,7 +423,7 @@ class _Run:
                     task = asyncio.ensure_future(self._attempt(src, chunk))
                     self.inflight.setdefault(chunk, {})[src] = (task, started)
                     try:
-                        too_slow = await self._watch(task, chunk, started)
+                        too_slow = await self._watch(src, task, chunk, started)
                     finally:
                         task.cancel()
                         holders = self.inflight.get(chunk)
@@ -433,10 +437,11 @@ class _Run:
                 else:
                     await self.wait(REFRESH)
                 continue
-            if too_slow:
+            if too_slow:  # taken back: not a failure (the source may just be slow)
                 seconds = loop.time() - started
                 self._measured(src, chunk.length / max(seconds, 1e-6))  # an upper bound
-                self._failed(src, chunk, _Retry(too_slow), loop.time())
+                src.retry_at = loop.time() + BACKOFF
+                self.preempted[src.addr] = too_slow
                 self.notify()
                 continue
             if task.cancelled():
@@ -448,26 +453,37 @@ class _Run:
                 self._failed(src, chunk, exc, loop.time())
             self.notify()
 
-    async def _watch(self, task: asyncio.Task, chunk: mf.Chunk, started: float) -> str:
-        """Wait for `task`; past its allowance (GRACE plus the chunk at the floor rate, which
-        follows the fastest source) cancel it and say why ("" when it ended by itself)."""
+    async def _watch(self, src: Source, task: asyncio.Task, chunk: mf.Chunk,
+                     started: float) -> str:
+        """Wait for `task`; take it back when `_preempt` says why ("" when it ended)."""
         loop = asyncio.get_running_loop()
         while True:
-            floor = self._floor()
-            left = started + GRACE + chunk.length / floor - loop.time()
-            if left <= 0:
-                task.cancel()
-                return (f"chunk {chunk.index} of {chunk.file} not in after "
-                        f"{loop.time() - started:.0f} s (the floor: {floor / 1024:.0f} KiB/s)")
-            done, _ = await asyncio.wait({task}, timeout=min(left, REFRESH))
+            done, _ = await asyncio.wait({task}, timeout=REFRESH)
             if done:
                 return ""
+            why = self._preempt(src, chunk, loop.time() - started)
+            if why:
+                task.cancel()
+                return why
 
-    def _floor(self) -> float:
-        """Bytes/s under which one request is given up: a trickling source holding the slots
-        would stall the fetch (it never times out while a byte comes every minute)."""
-        best = max((s.rate for s in self.usable()), default=0.0)
-        return max(MIN_RATE, best / RATE_SPREAD)
+    def _preempt(self, src: Source, chunk: mf.Chunk, elapsed: float) -> str:
+        """Why a request running `elapsed` s should go to another source ("": it should not):
+        one is measured RATE_SPREAD times faster than this request can be going, or it is
+        under MIN_RATE while a source not yet tried waits for a slot."""
+        if elapsed < GRACE:
+            return ""
+        upper = chunk.length / elapsed  # this request goes at most this fast
+        busy = {s for holders in self.inflight.values() for s in holders}
+        for other in self.usable():
+            if other is src:
+                continue
+            if other.rate > RATE_SPREAD * upper:
+                return (f"chunk {chunk.index} of {chunk.file} at under {upper / 1024:.0f} KiB/s "
+                        f"after {elapsed:.0f}s; {other.addr} goes {other.rate / 1024:.0f} KiB/s")
+            if other.rate == 0 and other not in busy and upper < MIN_RATE:
+                return (f"chunk {chunk.index} of {chunk.file} at under {upper / 1024:.0f} KiB/s "
+                        f"after {elapsed:.0f}s, while {other.addr} waits untried")
+        return ""
 
     def _slow(self, src: Source) -> bool:
         """Whether `src` is measured at under half the rate of the fastest source."""

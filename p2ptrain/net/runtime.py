@@ -6,12 +6,10 @@ RunStep -> a step in the step thread (steps.py) -> StepDone; SaveCheckpoint -> a
 I/O thread (saving.py); LeaderChanged -> the led term persisted; FetchCheckpoint -> a fetch
 (joinflow.py) -> CheckpointFetched; AdoptCheckpoint -> the weights loaded; Finished -> stop.
 Around it: the HTTP server (server.py), mDNS and seeds (discovery.py), the progress line
-(progress.py), and the alone loop's schedule of evaluations, checkpoints and bounds
-(housekeeping.py). On SIGINT/SIGTERM: finish the step in flight, resign and leave, write the
-resume state if it fits in the grace period, send the mDNS goodbye, exit 0; a second signal
-exits at once. A failed step exits 1; so does a run that diverged (a non-finite held-out loss,
-or DIVERGED_SKIPS steps in a row discarded as non-finite), writing nothing more. Helpers get
-narrow callables, never this object.
+(progress.py), the alone loop's schedule (housekeeping.py). On SIGINT/SIGTERM: finish the
+step in flight, resign and leave, write the resume state if it fits in the grace period,
+say the mDNS goodbye, exit 0; a second signal exits at once. A failed step or a diverged run
+(housekeeping.py: nothing more is written) exits 1. Helpers get narrow callables only.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
-import math
 import os
 import random
 import signal
@@ -34,7 +31,6 @@ from aiohttp import web
 from p2ptrain import checkpoint, proto
 from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.identity import load_or_create
-from p2ptrain.learner import DIVERGED_HINT
 from p2ptrain.net.auth import ServerAuth, Signer
 from p2ptrain.net.discovery import advertised_address, seed_loop, start_mdns
 from p2ptrain.net.joinflow import FETCHED_DIR, JoinFetcher
@@ -55,13 +51,12 @@ from p2ptrain.net.shelf import Shelf, shelved
 from p2ptrain.net.steps import Stepper
 from p2ptrain.net.watch import Watch
 from p2ptrain.proto import LeaderChanged, Node, Send
-from p2ptrain.report import Reporter, human_count
+from p2ptrain.report import Reporter
 from p2ptrain.settings import Settings
 from p2ptrain.startup import env_fault_hook, member_info, prepare
 from p2ptrain.swarm import Swarm
 
 TERM_FILE = "term"  # highest term this node led: its term_floor after a restart
-DIVERGED_SKIPS = 20  # steps discarded in a row (non-finite loss or gradient): diverged
 
 
 class Runtime:
@@ -77,8 +72,7 @@ class Runtime:
         self.stats: dict[str, int] = {}
         self.stop_reason: str | None = None
         self.exit_code = 0
-        self.diverged, self.skip_run = False, 0  # skip_run: steps discarded in a row
-        self._signalled = self._stopping = False
+        self._signalled = self._stopping = self.broken = False  # broken: internal error
         self._stop = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._first = FirstExchange(reporter)  # says when the first peer gradient came
@@ -126,15 +120,15 @@ class Runtime:
         """Feed one event to the node and perform its actions; Sends that answer `reply_to`'s
         request are returned instead of posted."""
         node = self.node
-        if node is None or self.exit_code:
+        if node is None or self.broken:
             return [], []
         try:
             actions = node.handle(self.now(), event)
         except Exception as exc:  # a bug: stop loudly rather than run on with a broken node
             self.reporter.warn("internal error in the protocol node:\n"
                                + "".join(traceback.format_exception(exc)), event="internal_error")
-            self.exit_code = 1
-            self.request_stop(f"internal error ({exc!r})")
+            self.broken = True
+            self.request_stop(f"internal error ({exc!r})", code=1)
             return [], []
         replies: list[Send] = []
         for action in actions:
@@ -146,7 +140,7 @@ class Runtime:
                     self.outbox.send(action)
             elif kind is proto.RunStep:
                 self._start_step(action.step)
-            elif kind is proto.SaveCheckpoint and not self.diverged:
+            elif kind is proto.SaveCheckpoint:
                 self.saver.save(action.term, final=action.final, reason="leader")
             elif kind is LeaderChanged:
                 self._leader_changed(action)
@@ -205,9 +199,6 @@ class Runtime:
         bound = self.plan.stop_reason(self.now(), self.learner.step)  # --steps is exact
         self.steps.start(step, hold=self._stop.is_set() or bound is not None)
 
-    def _holders(self, leader: str, digest: str) -> list[str]:
-        return list(self.node.sources_of(leader, digest)) if self.node else []
-
     def _joined(self, why: str) -> None:
         self.fetcher.clean()  # partial downloads, older fetched checkpoints
         self.reporter.info(f"training starts at step {self.learner.step}: {why}",
@@ -217,21 +208,13 @@ class Runtime:
         self.reporter.warn(f"training step failed: {exc!r}", event="step_failed")
         self.request_stop(f"training step failed: {exc}", code=1)
 
-    def _diverged(self, why: str) -> None:
-        """Nothing more is written (the weights are no use); the run ends with exit 1."""
-        self.diverged = True
-        self.request_stop(f"training diverged ({why}); {DIVERGED_HINT}", code=1)
-
     def _step_done(self, step: int, loss: float, eval_loss: float | None) -> None:
         skipped = self.node.skipped
         self.handle(proto.StepDone(step, loss))
         learner, now = self.learner, self.now()
-        self.skip_run = self.skip_run + 1 if self.node.skipped > skipped else 0
-        if self.skip_run >= DIVERGED_SKIPS:
-            return self._diverged(f"{self.skip_run} steps in a row with a non-finite loss "
-                                  f"or gradient, at step {learner.step}")
-        if eval_loss is not None and not math.isfinite(eval_loss):
-            return self._diverged(f"held-out loss {eval_loss} at step {learner.step}")
+        if why := self.plan.diverged(learner.step, self.node.skipped > skipped, eval_loss):
+            self.saver.closed = why  # the weights are no use: nothing more is written
+            return self.request_stop(why, code=1)
         if eval_loss is not None:
             self.handle(proto.Evaluated(eval_loss))
             self.reporter.evaluated(learner.step, eval_loss, self.steps.average_eval, now)
@@ -245,8 +228,7 @@ class Runtime:
         say_leader(self.reporter, action, self.node_id)
         if action.leader == self.node_id:
             record_term(self.state_dir / TERM_FILE, action.term, self.reporter.warn)
-            if not self.diverged:
-                self.saver.save(action.term, reason="new leader")
+            self.saver.save(action.term, reason="new leader")
 
     def _make_node(self, joined: bool = False) -> Node:
         seed = int.from_bytes(hashlib.sha256(
@@ -353,7 +335,8 @@ class Runtime:
             self.fetcher = JoinFetcher(self.outbox.session, self.signer, self.state_dir,
                                        self.learner.fingerprint, self.io_pool, self.handle,
                                        reporter, self.learner.judge_checkpoint,
-                                       self.steps.idle, self.shelf, self._holders)
+                                       self.steps.idle, self.shelf,
+                                       lambda *key: list(self.node.sources_of(*key)))
             self.node = self._make_node()
             reporter.info(f"node {self.node_id[:12]} listening on {net.bind}:{port}, "
                           f"advertised as {addr}, swarm {self.swarm.name!r} "
@@ -393,10 +376,8 @@ class Runtime:
             self.watch.close()
             self.step_pool.shutdown(wait=False, cancel_futures=True)  # a step in flight is
             self.io_pool.shutdown(wait=True)  # waited for above; a checkpoint write must end
-        reporter.info(f"stopped: {self.stop_reason}; {self.learner.step} steps, "
-                      f"{human_count(self.learner.samples)} samples", event="stopped",
-                      reason=self.stop_reason, step=self.learner.step,
-                      eval_loss=self.node.eval_loss if self.node else None)
+        reporter.stopped(self.stop_reason, self.learner.step, self.learner.samples,
+                         self.node.eval_loss if self.node else None)
         return self.exit_code
 
     async def _shutdown(self) -> None:
@@ -410,9 +391,7 @@ class Runtime:
         self.handle(proto.Leave())
         await self.outbox.drain(min(2.0, grace / 4))
         await self.saver.wait(grace / 2)
-        if self.diverged:
-            pass  # the weights are no use
-        elif self.plan.final_save_fits(self.now(), started, self.learner.step):
+        if self.plan.final_save_fits(self.now(), started, self.learner.step):
             self.saver.save(self.node.control.term, final=True, reason="stopping")
             await self.saver.wait(self.plan.grace_left(self.now(), started))
         elif self.learner.step > self.plan.first_step:

@@ -52,6 +52,7 @@ class Saver:
         self.count = 0  # saves started
         self.failures = 0  # writes failed in a row
         self.retry: asyncio.TimerHandle | None = None  # the retry of a failed write
+        self.closed = ""  # why no more checkpoints are written ("": they are)
 
     @property
     def seconds(self) -> float:
@@ -59,7 +60,10 @@ class Saver:
         return self.plan.save_seconds
 
     def save(self, term: int, final: bool = False, reason: str = "") -> None:
-        """Start writing a checkpoint stamped `term` (skipped if a write is running)."""
+        """Start writing a checkpoint stamped `term` (skipped if a write is running, or
+        nothing if `closed` says why not: a diverged run's weights are no use)."""
+        if self.closed:
+            return
         if self.future is not None:
             if final:  # written when this write ends (module docstring)
                 self._final = (term, reason)
