@@ -117,14 +117,16 @@ class HeldDeltas:
         return bool(self._parts)
 
     def room(self, m: int) -> bool:
-        """Whether `m` more coordinates fit."""
+        """Whether `m` more coordinates fit. (A request past the pull budget is still answered
+        and its half step taken with what is left, maybe none: the peer moves, this node
+        less -- as with pulls by sample rate, the pair's sum is not kept exactly. Declining
+        instead cut multi-part exchanges short whenever two met on one span in a step.)"""
         return self.size + m <= self.capacity
 
     def take(self, pull: float, lo: int, hi: int) -> float:
         """The part of `pull` the budget of coordinates [lo, hi) still allows (0: none), now
         spent (conservatively: every held span that overlaps counts whole)."""
-        used = sum(p for a, b, p in self.pulls if a < hi and lo < b)
-        allowed = max(0.0, min(pull, HELD_PULL - used))
+        allowed = max(0.0, min(pull, HELD_PULL - self._used(lo, hi)))
         if allowed > 0:
             self.pulls.append((lo, hi, allowed))
         return allowed
@@ -138,6 +140,9 @@ class HeldDeltas:
         for runs, lo, delta in self._parts:
             self.plan.scatter_add(params, runs, delta, lo)
         self.clear()
+
+    def _used(self, lo: int, hi: int) -> float:
+        return sum(p for a, b, p in self.pulls if a < hi and lo < b)
 
     def clear(self) -> None:
         self._parts.clear()
