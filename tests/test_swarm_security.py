@@ -89,7 +89,8 @@ def random_id() -> str:
 
 def gradient_chunk(sender: str, values: np.ndarray, *, samples: int = 0,
                    weight: float = 8.0) -> bytes:
-    """One codec chunk message (codec none: raw float32) of a whole gradient vector."""
+    """One codec chunk message (codec none: raw float32, the test swarms' codec) of a whole
+    gradient vector."""
     (msg,) = encode_vector(make_codec("none"), values, sender_id=bytes.fromhex(sender),
                            swarm_samples=samples, weight=weight, seed=1)
     return bytes(msg)
@@ -363,6 +364,7 @@ async def running_node(tmp_path: Path, swarm: Swarm) -> AsyncIterator[Runtime]:
         "node.min_peers": 2, "node.join_timeout": 3600.0, "net.bind": "127.0.0.1",
         "net.port": 0, "net.mdns": False, "net.timing": "local", "eval.every_seconds": 0.0,
         "checkpoint.every_seconds": 0.0, "log.every_seconds": 60.0, "log.format": "json",
+        "gossip.codec": "none",  # the swarm's codec: the fake peer's raw float32 chunks
         # these tests send many bad values under one member's id on purpose: no cool-off
         "node.offender_refusals": 0})
     with open(tmp_path / "node.log", "w") as log:
@@ -533,7 +535,8 @@ async def _burst(addr: str, swarm: Swarm, n: int) -> tuple[int, int, list]:
 def test_a_training_node_shrugs_off_a_burst_of_bad_requests(tmp_path):
     with SwarmLab(tmp_path) as lab:
         ports = free_ports(2)
-        calm = lab.env(P2PTRAIN_NODE_OFFENDER_REFUSALS="0")  # the burst forges member ids
+        calm = lab.env(P2PTRAIN_NODE_OFFENDER_REFUSALS="0",  # the burst forges member ids
+                       P2PTRAIN_GOSSIP_CODEC="none")  # and its chunks are raw float32
         first = lab.start("n0", ports[0], [], env=calm)
         second = lab.start("n1", ports[1], [first.addr], env=calm)
         wait_for("both nodes to train", lambda: all(

@@ -149,8 +149,8 @@ class GossipTrainer:
         if isinstance(body, GradientPush | GradientReply):
             msg = parse_message(body.chunk)
             if msg.vector_length != self.n or msg.codec != self.mixer.codec:  # before decoding
-                raise CodecError(f"gradient of {msg.vector_length} {msg.codec.name} values: "
-                                 f"the swarm's are {self.n} {self.mixer.codec.name}")
+                raise CodecError(f"gradient of {msg.vector_length} elements in {msg.codec.name}"
+                                 f": the swarm's have {self.n} in {self.mixer.codec.name}")
             if msg.sender_id != raw_id:
                 raise CodecError("gradient chunk names another sender than the message")
             if not 0.0 < msg.weight <= self.config.max_sample_weight:
