@@ -352,7 +352,6 @@ class _Run:
         self.done_bytes = self.total - sum(c.length for c in self.chunks)
         self.error: FetchError | None = None
         self.workers: set[asyncio.Task] = set()
-        self.preempted: dict[str, str] = {}  # source -> why a request of it was last taken back
         self._event = asyncio.Event()
         self.slots = asyncio.Semaphore(MAX_IN_FLIGHT)
 
@@ -441,7 +440,6 @@ class _Run:
                 seconds = loop.time() - started
                 self._measured(src, chunk.length / max(seconds, 1e-6))  # an upper bound
                 src.retry_at = loop.time() + BACKOFF
-                self.preempted[src.addr] = too_slow
                 self.notify()
                 continue
             if task.cancelled():

@@ -28,9 +28,8 @@
 - A relayed view reaches the election only when it names a live member that can lead, as
   its record describes it (Control); the leader's own newer heartbeats renew its lease
   whatever seq relays carried, so a relay of a made-up later heartbeat cannot make followers
-  deaf to the real ones. A Yield
-  moves the leader up by at most a step; moving up keeps the checkpoint schedule (repeated
-  Yields must not postpone every checkpoint).
+  deaf to the real ones. A Yield moves the leader up by at most a step; moving up keeps the
+  checkpoint schedule (repeated Yields must not postpone every checkpoint).
 - The leader decides checkpoints: every `checkpoint_interval` seconds (or
   `checkpoint_samples` swarm samples), only for a step above its last one in the term, so
   two checkpoints never share (term, leader, step).

@@ -413,9 +413,9 @@ class GradientMixer:
 
     def weight_cap(self, own: float, sender: bytes) -> float:
         """The most sample weight a peer's vector counts for: WEIGHT_SPREAD times the own
-        weight, times how much faster the peer is seen to train (an honest big batch is a fast
-        node's), never less than the own weight. A claimed weight alone -- up to
-        max_sample_weight -- let one member outweigh every honest gradient of a mix."""
+        weight, times how much faster than this node the peer is seen to train (an honest big
+        batch is a fast node's; a slow node given a big `--batch` is counted low). A claimed
+        weight alone -- up to max_sample_weight -- let one member outweigh a whole mix."""
         ratio = 1.0
         rate_of = self.rate_of
         if rate_of is not None:
