@@ -17,7 +17,7 @@ from aiohttp import web
 from p2ptrain.lora import basefile
 from p2ptrain.lora.basefile import BASE_FILE, base_from_init, read_base, verify_base
 from p2ptrain.models.rwkv import RWKVConfig
-from p2ptrain.net import basefetch
+from p2ptrain.net import fetch as fetchmod
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.basefetch import fetch_base
 from p2ptrain.net.baseserve import BaseServing, add_base_routes
@@ -123,7 +123,7 @@ def test_servers_trickling_bytes_cannot_hold_the_fetch(base, tmp_path, monkeypat
     """Two servers sending ~0.5 KB/s (a 16 KiB chunk in ~100 s; the read timeout never
     fires) start first; each of their requests is given up at its allowance and the honest
     server serves the rest. Without the allowance the fetch waits for the tricklers."""
-    monkeypatch.setattr(basefetch, "GRACE", 1.0)  # a 16 KiB chunk: 1 s + 1 s at MIN_RATE
+    monkeypatch.setattr(fetchmod, "GRACE", 1.0)  # fetch.py's rule, which the base fetch uses
     tricklers = [Server({base.id: base.path}, rate=500) for _ in range(2)]
     honest = Server({base.id: base.path}, rate=4e6)
 

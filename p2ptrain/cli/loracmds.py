@@ -65,7 +65,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     from p2ptrain import checkpoint
     from p2ptrain.checkpoint.safetensors_io import Deferred
-    from p2ptrain.cli.args import resolve_checkpoint
+    from p2ptrain.cli.args import model_params, resolve_checkpoint
     from p2ptrain.errors import UserError
     from p2ptrain.fsutil import describe_os_error, fsync_dir
     from p2ptrain.identity import Identity, node_id_of
@@ -79,8 +79,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     if out.exists():
         raise UserError(f"{out} exists; merge writes a new checkpoint directory")
-    adapters = model.space.zeros()
-    checkpoint.load_tensors(path, checkpoint.MODEL_FILE, model.space.views(adapters))
+    adapters, _ = model_params(path, manifest, model)
     if not np.isfinite(adapters).all():
         raise UserError(f"{path.name}: the adapters hold NaN or infinite values")
     full = model.full_space

@@ -24,7 +24,6 @@ id known in advance.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import shutil
 from collections.abc import Callable
@@ -47,11 +46,8 @@ from p2ptrain.net.auth import Signer
 from p2ptrain.net.fetch import (
     BACKOFF,
     BACKOFF_MAX,
-    GRACE,
     IN_FLIGHT,
     MAX_IN_FLIGHT,
-    MIN_RATE,
-    RATE_SPREAD,
     REFRESH,
     SOURCE_FAILURES,
     FetchError,
@@ -63,6 +59,8 @@ from p2ptrain.net.fetch import (
     _printable,
     _reason,
     _Retry,
+    measured,
+    preempt_reason,
 )
 from p2ptrain.net.partial import PARTIAL_PREFIX, write_chunk
 
@@ -191,19 +189,6 @@ async def _chunks(sources: list[Source], base_id: str, target: Path, size: int, 
 
     busy: dict[Source, int] = {}  # requests in flight per source
 
-    def preempt(src: Source, length: int, elapsed: float) -> str:
-        """fetch.py's rule (`_Run._preempt`): another source could do far better."""
-        if elapsed < GRACE:
-            return ""
-        upper = length / elapsed
-        for other in sources:
-            if other is src or other.dropped or other.conn is None:
-                continue
-            if other.rate > RATE_SPREAD * upper or (
-                    other.rate == 0 and not busy.get(other) and upper < MIN_RATE):
-                return f"under {upper / 1024:.0f} KiB/s after {elapsed:.0f}s"
-        return ""
-
     async def timed(src: Source, i: int) -> str:
         """`one`, taken back (its reason returned) when `preempt` says so: a source trickling
         bytes never times out, and the chunk it holds would hold up the end of the fetch."""
@@ -214,15 +199,17 @@ async def _chunks(sources: list[Source], base_id: str, target: Path, size: int, 
         busy[src] = busy.get(src, 0) + 1
         try:
             while not (await asyncio.wait({task}, timeout=REFRESH))[0]:
-                if why := preempt(src, length, loop.time() - started):
-                    src.rate = min(src.rate or math.inf, length / (loop.time() - started))
+                elapsed = loop.time() - started
+                live = [s for s in sources if s.conn is not None and not s.dropped]
+                if why := preempt_reason(src, live, {s for s, n in busy.items() if n},
+                                         length, elapsed):
+                    measured(src, length / elapsed)  # an upper bound
                     return why
             task.result()  # its failure, if any
         finally:
             busy[src] -= 1
             task.cancel()
-        sample = length / max(loop.time() - started, 1e-6)
-        src.rate = sample if src.rate == 0 else 0.7 * src.rate + 0.3 * sample
+        measured(src, length / max(loop.time() - started, 1e-6))
         return ""
 
     async def worker(src: Source) -> None:

@@ -49,7 +49,7 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -331,6 +331,32 @@ async def _connect(session: aiohttp.ClientSession, src: Source, signer: Signer,
                      to)
 
 
+def measured(src: Source, sample: float) -> None:
+    """One more bytes/s sample of one request of `src` (a moving average)."""
+    src.rate = sample if src.rate == 0 else 0.7 * src.rate + 0.3 * sample
+
+
+def preempt_reason(src: Source, others: Iterable[Source], busy: Container[Source],
+                   length: int, elapsed: float) -> str:
+    """Why a request of `length` bytes to `src`, running `elapsed` s, should go to another
+    source ("": it should not; step 4): one of `others` is measured RATE_SPREAD times faster
+    than the request can be going, or it is under MIN_RATE while a source not yet tried (and
+    not in `busy`) waits for a slot."""
+    if elapsed < GRACE:
+        return ""
+    upper = length / elapsed  # the request goes at most this fast
+    for other in others:
+        if other is src:
+            continue
+        if other.rate > RATE_SPREAD * upper:
+            return (f"under {upper / 1024:.0f} KiB/s after {elapsed:.0f}s; {other.addr} "
+                    f"goes {other.rate / 1024:.0f} KiB/s")
+        if other.rate == 0 and other not in busy and upper < MIN_RATE:
+            return (f"under {upper / 1024:.0f} KiB/s after {elapsed:.0f}s, while "
+                    f"{other.addr} waits untried")
+    return ""
+
+
 class _Run:
     """The chunk schedule of one fetch (see the module docstring, steps 3-5)."""
 
@@ -438,7 +464,7 @@ class _Run:
                 continue
             if too_slow:  # taken back: not a failure (the source may just be slow)
                 seconds = loop.time() - started
-                self._measured(src, chunk.length / max(seconds, 1e-6))  # an upper bound
+                measured(src, chunk.length / max(seconds, 1e-6))  # an upper bound
                 src.retry_at = loop.time() + BACKOFF
                 self.notify()
                 continue
@@ -465,23 +491,8 @@ class _Run:
                 return why
 
     def _preempt(self, src: Source, chunk: mf.Chunk, elapsed: float) -> str:
-        """Why a request running `elapsed` s should go to another source ("": it should not):
-        one is measured RATE_SPREAD times faster than this request can be going, or it is
-        under MIN_RATE while a source not yet tried waits for a slot."""
-        if elapsed < GRACE:
-            return ""
-        upper = chunk.length / elapsed  # this request goes at most this fast
         busy = {s for holders in self.inflight.values() for s in holders}
-        for other in self.usable():
-            if other is src:
-                continue
-            if other.rate > RATE_SPREAD * upper:
-                return (f"chunk {chunk.index} of {chunk.file} at under {upper / 1024:.0f} KiB/s "
-                        f"after {elapsed:.0f}s; {other.addr} goes {other.rate / 1024:.0f} KiB/s")
-            if other.rate == 0 and other not in busy and upper < MIN_RATE:
-                return (f"chunk {chunk.index} of {chunk.file} at under {upper / 1024:.0f} KiB/s "
-                        f"after {elapsed:.0f}s, while {other.addr} waits untried")
-        return ""
+        return preempt_reason(src, self.usable(), busy, chunk.length, elapsed)
 
     def _slow(self, src: Source) -> bool:
         """Whether `src` is measured at under half the rate of the fastest source."""
@@ -501,13 +512,9 @@ class _Run:
         await _learn(src, self.manifest, asyncio.get_running_loop().time())
         self.notify()
 
-    @staticmethod
-    def _measured(src: Source, sample: float) -> None:
-        src.rate = sample if src.rate == 0 else 0.7 * src.rate + 0.3 * sample
-
     def _completed(self, src: Source, chunk: mf.Chunk, seconds: float) -> None:
         src.failures = 0
-        self._measured(src, chunk.length / max(seconds, 1e-6))
+        measured(src, chunk.length / max(seconds, 1e-6))
         if chunk not in self.todo:
             return  # a duplicate finished a moment after the first copy
         self.todo.discard(chunk)
