@@ -72,15 +72,16 @@ def describe_os_error(exc: OSError) -> str:
 
 
 def remove_orphans(parent: Path, prefix: str) -> list[Path]:
-    """Remove `parent/<prefix><pid>` entries whose process is gone (a SIGKILL or a power cut
-    left them: nothing else ever would); returns what was removed."""
+    """Remove `parent/<prefix><pid>` and `parent/<prefix><anything>-<pid>` entries whose
+    process is gone (a SIGKILL or a power cut left them: nothing else ever would); returns
+    what was removed."""
     removed = []
     try:
         entries = list(parent.iterdir())
     except OSError:
         return removed
     for p in entries:
-        pid = p.name[len(prefix):]
+        pid = p.name[len(prefix):].rsplit("-", 1)[-1]
         if not (p.name.startswith(prefix) and pid.isdigit()) or _alive(int(pid)):
             continue
         if p.is_dir() and not p.is_symlink():

@@ -155,8 +155,8 @@ class NetConfig:
                                     "in memory at once, verified or not (one body may exceed "
                                     "it)", minimum=1)
     refused_seconds: float = option(60.0, "exit 2 (wrong swarm key) when every peer has "
-                                    "refused this node (HTTP 401) this long; 0: never",
-                                    minimum=0)
+                                    "refused this node (HTTP 401) this long (seeds, and "
+                                    "members that once answered it); 0: never", minimum=0)
 
     def seeds(self) -> list[str]:
         """The static seed peers, in the order given."""

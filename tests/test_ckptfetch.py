@@ -259,6 +259,30 @@ def test_a_checkpoint_rewritten_under_the_same_id_replaces_the_fetched_one(leade
     assert [p.name for p in (tmp_path / "out").iterdir()] == [leader.ckid]
 
 
+def test_a_checkpoint_set_aside_by_a_killed_fetch_is_removed_once_the_join_is_over(leader,
+                                                                                    tmp_path):
+    """finish() renames the old copy to `.old-<id>-<pid>` before the new one takes its name;
+    a SIGKILL between the two renames and the rmtree left it (a whole checkpoint) for good."""
+    import os
+    import subprocess
+
+    from p2ptrain.net.joinflow import clean_fetched
+    from p2ptrain.net.partial import OLD_PREFIX
+
+    out = tmp_path / "out"
+    first = fetch(leader, out)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    orphan = out / f"{OLD_PREFIX}{leader.ckid}-{dead.pid}"
+    live = out / f"{OLD_PREFIX}{leader.ckid}-{os.getpid()}"  # a fetch under way
+    for aside in (orphan, live):
+        aside.mkdir()
+        (aside / store.MODEL_FILE).write_bytes(b"x" * 1000)
+    (out / f"{PARTIAL_PREFIX}x").mkdir()
+    clean_fetched(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted([first.name, live.name])
+
+
 @pytest.mark.parametrize("damage,reason", [
     (lambda m: m.update(step=True), "not a count"),
     (lambda m: m.update(step=8), "signature does not verify"),

@@ -60,3 +60,26 @@ def test_a_short_window_still_needs_several_refusals_and_zero_means_never():
     never = Watch(window=0)
     never.refuse("a:1", until=1000)
     assert never.verdicts == []
+
+
+def test_only_seeds_and_addresses_that_once_answered_us_count():
+    t = [0.0]
+    verdicts, warnings = [], []
+    w = RefusalWatch(10.0, lambda: t[0], verdicts.append, warnings.append,
+                     {"seed:1"}.__contains__)
+    for _ in range(30):  # a stranger (found by mDNS, never answered with a MAC) refuses
+        w.refused("stranger:2", "no")
+        t[0] += 1
+    assert verdicts == [] and len(warnings) == 1 and "proves nothing" in warnings[0]
+    w.accepted("member:3")  # it held the key once...
+    for _ in range(30):  # ...and refuses us now (the key was rotated): that counts
+        w.refused("member:3", "rotated")
+        w.refused("stranger:2", "no")  # and a stranger's refusals hold nothing back either
+        t[0] += 1
+    assert len(verdicts) == 1 and "member:3" in verdicts[0] and "stranger" not in verdicts[0]
+    seeds_only = RefusalWatch(10.0, lambda: t[0], verdicts.append, warnings.append,
+                              {"seed:1"}.__contains__)
+    for _ in range(12):
+        seeds_only.refused("seed:1", "no")
+        t[0] += 1
+    assert len(verdicts) == 2 and "seed:1" in verdicts[1]

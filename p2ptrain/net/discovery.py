@@ -359,9 +359,9 @@ SEED_INTERVAL = 30.0  # s between re-resolutions of the static/DNS seeds
 
 
 async def seed_loop(seeds: list[str], own_addr: str, on_found: Callable[[str], None],
-                    warn: Callable[[str], None]) -> None:
-    """Hand the static and DNS seeds to `on_found` now and every SEED_INTERVAL seconds;
-    each seed that does not resolve is reported once."""
+                    warn: Callable[[str], None], resolved_to: set[str] | None = None) -> None:
+    """Hand the static and DNS seeds to `on_found` now and every SEED_INTERVAL seconds (and
+    add their addresses to `resolved_to`); each seed that does not resolve is reported once."""
     if not seeds:
         return
     said: set[str] = set()
@@ -373,6 +373,8 @@ async def seed_loop(seeds: list[str], own_addr: str, on_found: Callable[[str], N
                 warn(f"seed {problem}")
         for addr in resolved:
             if addr != own_addr:
+                if resolved_to is not None:
+                    resolved_to.add(addr)
                 on_found(addr)
         await asyncio.sleep(SEED_INTERVAL)
 

@@ -23,9 +23,11 @@ import aiohttp
 
 from p2ptrain import checkpoint
 from p2ptrain.checkpoint.manifest import checkpoint_name
+from p2ptrain.fsutil import remove_orphans
 from p2ptrain.net.auth import Signer
 from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, NoCheckpoint, fetch_checkpoint
 from p2ptrain.net.fetchprogress import FetchProgress
+from p2ptrain.net.partial import OLD_PREFIX
 from p2ptrain.net.shelf import Shelf
 from p2ptrain.proto import CheckpointFetched, FetchCheckpoint, Holding, Holds
 
@@ -141,15 +143,22 @@ class JoinFetcher:
 
     def clean(self) -> None:
         """The join is over: drop partial downloads and all but the newest checkpoint."""
-        if not self.root.is_dir():
-            return
-        for partial in self.root.glob(f"{PARTIAL_PREFIX}*"):
-            shutil.rmtree(partial, ignore_errors=True)
-        for old in checkpoint.list_checkpoints(self.root)[1:]:
-            shutil.rmtree(old, ignore_errors=True)
+        clean_fetched(self.root)
 
     def cancel(self) -> None:
         for task in (self.task, self.advertising):
             if task is not None:
                 task.cancel()
 
+
+
+def clean_fetched(root: Path) -> None:
+    """Drop from `root` partial downloads, checkpoints a killed fetch set aside while it
+    replaced them, and all but the newest checkpoint."""
+    if not root.is_dir():
+        return
+    for partial in root.glob(f"{PARTIAL_PREFIX}*"):
+        shutil.rmtree(partial, ignore_errors=True)
+    remove_orphans(root, OLD_PREFIX)
+    for old in checkpoint.list_checkpoints(root)[1:]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -59,7 +59,8 @@ class Outbox:
              limits: NodeConfig, refused_seconds: float = 0.0,
              stop: Callable[[str, int], None] | None = None) -> Outbox:
         """An outbox with its own two connection pools (closed by `close`); when every peer
-        refuses our key for `refused_seconds` (0: never), it calls `stop(reason, 2)`."""
+        refuses our key for `refused_seconds` (0: never), it calls `stop(reason, 2)`. Only
+        the addresses in `box.seeds` and those that once answered us count (refusals.py)."""
         bulk, control = (aiohttp.ClientSession(connector=aiohttp.TCPConnector(
             limit=limit, limit_per_host=per_host), auto_decompress=False)
             for limit, per_host in ((64, 4), (256, 8)))
@@ -72,7 +73,8 @@ class Outbox:
 
         box.refusals = RefusalWatch(refused_seconds, asyncio.get_running_loop().time,
                                     wrong_key, lambda text: reporter.warn(text,
-                                                                          event="refused"))
+                                                                          event="refused"),
+                                    box.seeds.__contains__)
         return box
 
     def __init__(self, session: aiohttp.ClientSession, control_session: aiohttp.ClientSession,
@@ -96,6 +98,7 @@ class Outbox:
         self.last_error: dict[str, str] = {}
         self.receivers = Receivers(lambda: self.control_session, lambda: self.signer)
         self.refusals: RefusalWatch | None = None  # see `open`
+        self.seeds: set[str] = set()  # seeds' addresses: their refusals judge our key
 
     def send(self, action: Send) -> None:
         """Start posting `action.envelope` to `action.addr` (returns at once)."""

@@ -25,6 +25,7 @@ from p2ptrain.checkpoint import manifest as mf
 from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
 
 PARTIAL_PREFIX, PROGRESS_FILE = ".partial-", "progress.json"
+OLD_PREFIX = ".old-"  # + "<id>-<pid>": a checkpoint set aside while a fetch replaces it
 
 
 class PartialError(Exception):
@@ -128,7 +129,7 @@ def finish(partial: Path, final: Path, manifest: mf.Manifest, files: tuple[str, 
                      *(n for n in mf.DATA_FILES if n not in files)):
         (partial / leftover).unlink(missing_ok=True)
     fsync_dir(partial)
-    old = final.with_name(f".old-{final.name}-{os.getpid()}") if final.exists() else None
+    old = final.with_name(f"{OLD_PREFIX}{final.name}-{os.getpid()}") if final.exists() else None
     if old is not None:  # same id, other content (the leader rewrote it), or fewer files
         os.rename(final, old)
     os.rename(partial, final)

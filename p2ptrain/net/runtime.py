@@ -353,11 +353,12 @@ class Runtime:
                                              self.signer.keys.accepts_swarm_id)
             self.handle(proto.Tick())
             self.fetcher.advertise_soon()  # what we hold from earlier runs
-            tasks = [self.loop.create_task(seed_loop(seeds, addr, found, warn)),
-                     self.loop.create_task(every_second(self._check_reachability)),
-                     self.loop.create_task(self.watch.sample_loop(self.status)),
-                     self.loop.create_task(progress_loop(self.settings.log.every_seconds,
-                                                         self.status, self.now, reporter))]
+            spawn = self.loop.create_task
+            tasks = [spawn(seed_loop(seeds, addr, found, warn, self.outbox.seeds)),
+                     spawn(every_second(self._check_reachability)),
+                     spawn(self.watch.sample_loop(self.status)),
+                     spawn(progress_loop(self.settings.log.every_seconds, self.status,
+                                         self.now, reporter))]
             await self._stop.wait()
             for task in tasks:
                 task.cancel()
