@@ -183,3 +183,46 @@ def test_without_rewinding_one_vector_holds_what_two_did(bits, tolerance):
     rms = float(np.sqrt(np.mean(owed**2)))
     assert float(np.sqrt(np.mean(err**2))) < tolerance * rms
     assert abs(err.mean()) < 1e-3 * rms
+
+
+@pytest.mark.parametrize("size", [65504.0, 5.0])  # refused as absurd / under the limit
+def test_one_peers_huge_vector_cannot_wreck_a_first_outer_round(size):
+    """A node's first outer round has no norm history: a peer's pseudo-gradient judged
+    against max_norm alone and clipped by the median of [own norm, its norm] went straight
+    into the weights (4x the own weight): one push took max |w| from 3.9 to 52,405. The
+    reference is bounded by the own norms now, and the applied average by the own share."""
+    from p2ptrain.codecs import encode_vector
+    from p2ptrain.proto.gossip.messages import GradientPush
+    from p2ptrain.proto.gossip.trainer import GossipTrainer
+    from tests.test_node import learner
+
+    hostile_id, me = "a" * 32, "b" * 32
+    cfg = GossipConfig(outer_every=4, fanout=1, average_every=0)
+
+    def run(push: bool):
+        t = GossipTrainer(cfg, learner(me), np.random.default_rng(2), average_timeout=90.0,
+                          chunk_elems=1 << 20)
+        codec = cfg.make_codec()
+        vec = np.zeros(t.n, np.float32)
+        vec[np.random.default_rng(0).choice(t.n, codec.k(t.n), replace=False)] = size
+        for m in encode_vector(codec, vec, sender_id=bytes.fromhex(hostile_id),
+                               swarm_samples=1, weight=cfg.max_sample_weight, seed=1,
+                               chunk_elems=1 << 20):
+            body = GradientPush(1, 1.0, bytes(m))
+            if push:  # every check a peer's push gets, then taken
+                t.on_body(0.0, hostile_id, "x", body, t.parse(hostile_id, body), busy=False,
+                          outbound_sender=False, out=[])
+        before = t.learner.params.copy()
+        for step in range(cfg.outer_every):
+            report = t.step(float(step), t.learner.compute_gradient(), [], [], [])
+        return t, report, before
+
+    honest, _, before = run(False)
+    attacked, report, _ = run(True)
+    moved = float(np.linalg.norm(attacked.learner.params - honest.learner.params))
+    own = report.own_norm
+    assert own > 0 and moved <= (cfg.clip_multiple + 1) * own, (moved, own)
+    assert float(np.abs(attacked.learner.params).max()) < 2 * float(np.abs(before).max())
+    assert attacked.learner.compute_gradient() < honest.learner.compute_gradient() + 0.5
+    if size > 1000:
+        assert attacked.mixer.drops["norm"] == 1 and not report.peers

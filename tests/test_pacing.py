@@ -6,6 +6,7 @@ cap of 8 Mbit/s (about 3 s of pacing); meanwhile heartbeats are sent every 0.1 s
 figure is a ratio: the worst heartbeat's delay (send -> delivered to the node) against the
 time the bulk bodies took, so the test does not depend on how fast this machine is. The
 outbox's count of what it sent by kind (`sent_by_kind`) is checked against the frames' sizes.
+And a gradient push of several chunks goes whole or not at all.
 """
 
 from __future__ import annotations
@@ -165,3 +166,35 @@ def test_control_bytes_count_against_the_cap():
     elapsed, sent = asyncio.run(_shared_cap())
     assert sent == 1_000_000
     assert elapsed > 0.6, elapsed
+
+
+async def two_vectors(tmp: Path) -> tuple[list[tuple[str, int, float]], dict]:
+    """A push of 4 chunks (one Send each, as the trainer emits them), and at once another:
+    the first goes whole, the second is dropped whole (the peer is busy with the first)."""
+    host = RecordingHost()
+    served = Served(host, ServerAuth(KEY, RECEIVER, 1), TokenBucket(0), True)
+    runner = web.AppRunner(build_app(served, lambda: tmp), access_log=None)
+    await runner.setup()
+    addr = f"127.0.0.1:{await listen(runner, '127.0.0.1', 0)}"
+    outbox = Outbox.open(Signer(KEY, SENDER, 1), TokenBucket(0), lambda a, f: None,
+                         Reporter("json", out=io.StringIO(), err=io.StringIO()), NodeConfig())
+    values = np.full(4 * 1024, 1e-3, np.float32)
+    try:
+        for step in (20, 21):
+            chunks = encode_vector(make_codec("none"), values, sender_id=bytes.fromhex(SENDER),
+                                   swarm_samples=step, weight=8.0, seed=1, chunk_elems=1024)
+            for i, chunk in enumerate(chunks):
+                outbox.send(Send(RECEIVER, addr, envelope(100 * step + i, GradientPush(
+                    step, 1.0, bytes(chunk)))))
+        await until("the first push's chunks", lambda: len(host.arrivals) >= 4, 30)
+        await until("every post to end", lambda: not outbox.in_flight[addr], 30)
+        return host.arrivals, dict(outbox.stats)
+    finally:
+        await outbox.close()
+        await runner.cleanup()
+
+
+def test_a_push_of_several_chunks_goes_whole_or_not_at_all(tmp_path):
+    arrivals, stats = asyncio.run(two_vectors(tmp_path))
+    assert sorted(tag for _, tag, _ in arrivals) == [2000, 2001, 2002, 2003], (arrivals, stats)
+    assert stats["gradients_dropped_busy_peer"] == 1 and not stats.get("failed"), stats

@@ -1,20 +1,21 @@
 """Outgoing protocol messages: each `Send` action becomes one authenticated POST on the
 node's single client session; the frames in the response come back as received messages.
 
-Fire and forget: a send never blocks the caller. Gradient and averaging bodies are dropped
-(and counted) when too many are already in flight to that peer -- back-pressure instead of a
-growing queue; control messages always go. Bodies stream in slices through the upload token
-bucket. A failed request (refused connection, timeout, non-2xx, a response whose MAC does not
-verify) is counted per address and otherwise ignored: the protocol's own probes and timeouts
-decide what a silent peer means. Every request names its receiver (auth.py): the outbox learns
-who is at an address by hello (hello.py) before its first request there, and when a receiver
-refuses a request as not meant for it (401: it restarted, or another node took the address),
-it says hello again and, if someone else answers, sends the message once more. Control bodies
-use the upload cap's control lane (pacing.py). Refusals of our MAC (HTTP 401 without a
-response MAC) go to a `RefusalWatch` (refusals.py), which ends the node when every peer
-refuses its swarm key. Every body this node sends is encoded here -- requests, and the reply
-frames the server puts in its responses (`encode_replies`) -- and counted by kind as it goes
-over HTTP (sent.py). A driver: it does I/O and never decides anything else.
+Fire and forget: a send never blocks the caller. A gradient push is dropped (and counted)
+whole, every chunk of its vector, when too many bodies are already in flight to that peer --
+back-pressure instead of a growing queue; averaging and control messages always go. Bodies
+stream in slices through the upload token bucket. A failed request (refused connection,
+timeout, non-2xx, a response whose MAC does not verify) is counted per address and otherwise
+ignored: the protocol's own probes and timeouts decide what a silent peer means. Every
+request names its receiver (auth.py): the outbox learns who is at an address by hello
+(hello.py) before its first request there, and when a receiver refuses a request as not
+meant for it (401: it restarted, or another node took the address), it says hello again and,
+if someone else answers, sends the message once more. Control bodies use the upload cap's
+control lane (pacing.py). Refusals of our MAC (HTTP 401 without a response MAC) go to a
+`RefusalWatch` (refusals.py), which ends the node when every peer refuses its swarm key.
+Every body this node sends is encoded here -- requests, and the reply frames the server puts
+in its responses (`encode_replies`) -- and counted by kind as it goes over HTTP (sent.py). A
+driver: it does I/O and never decides anything else.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 BULK_ROUTES = ("/v1/gossip", "/v1/average", "/v1/track")
 DROPPABLE = "/v1/gossip"  # gradient pushes: fire and forget, dropped when the peer lags
+MAX_PUSH_PEERS = 4096  # addresses whose last push's fate is remembered (`_admit`)
 CONTROL_TIMEOUT = 10.0  # s for a control message round trip
 BULK_TIMEOUT = 300.0  # s for a gradient push (slow uplinks)
 CONNECT_TIMEOUT = 5.0  # s to open a connection
@@ -91,6 +93,7 @@ class Outbox:
         self.bulk_in_flight = limits.bulk_in_flight
         self.average_timeout = limits.average_request_timeout
         self.in_flight: Counter[str] = Counter()  # bulk requests per address
+        self.pushing: dict[str, tuple[int, bool]] = {}  # addr -> (step, sent?) of its last push
         self.failures: Counter[str] = Counter()  # failed requests per address
         self.stats: Counter[str] = Counter()
         self.sent = SentByKind()  # bodies that went over HTTP, by message kind
@@ -104,9 +107,8 @@ class Outbox:
         """Start posting `action.envelope` to `action.addr` (returns at once)."""
         route = route_of(action.envelope.body)
         bulk = route in BULK_ROUTES
-        if route == DROPPABLE and self.in_flight[action.addr] >= self.bulk_in_flight:
-            self.stats["gradients_dropped_busy_peer"] += 1  # the averaging exchange never is
-            return
+        if route == DROPPABLE and not self._admit(action.addr, action.envelope.body.step):
+            return  # the averaging exchange never is dropped
         try:
             data = wire.encode(action.envelope)
         except ValueError as exc:  # too large for the wire: say so once, drop it
@@ -117,6 +119,19 @@ class Outbox:
         task = asyncio.get_running_loop().create_task(self._post(action.addr, route, data, bulk))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def _admit(self, addr: str, step: int) -> bool:
+        """Whether a gradient push's chunk to `addr` goes out. A vector goes whole or not at
+        all (a part of one is useless to the receiver): its first chunk decides, by the bodies
+        still in flight to that peer, and its other chunks follow that decision."""
+        decided = self.pushing.get(addr)
+        if decided is None or decided[0] != step:
+            if len(self.pushing) >= MAX_PUSH_PEERS and addr not in self.pushing:
+                self.pushing.clear()  # addresses come and go: forget the decided ones
+            decided = self.pushing[addr] = (step, self.in_flight[addr] < self.bulk_in_flight)
+            if not decided[1]:
+                self.stats["gradients_dropped_busy_peer"] += 1
+        return decided[1]
 
     def encode_replies(self, replies: list[Send]) -> list[bytes]:
         """The frames of the replies a response carries (counted as sent)."""

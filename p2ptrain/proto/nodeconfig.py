@@ -41,8 +41,9 @@ class NodeConfig:
     average_timeout: float = option(90.0, "seconds after which an averaging part without a "
                                     "reply is given up, at least (longer on a link measured "
                                     "slow: gossip.average_timeout_margin)", minimum=1)
-    bulk_in_flight: int = option(2, "gradient pushes in flight to one peer at once; more are "
-                                 "dropped (back-pressure, not a queue)", minimum=1)
+    bulk_in_flight: int = option(2, "bodies in flight to one peer past which a new gradient "
+                                 "push to it is dropped whole (back-pressure, not a queue)",
+                                 minimum=1)
     chunk_elems: int = option(DEFAULT_CHUNK, "elements per codec chunk message", minimum=1024)
     offender_refusals: int = option(5, "refusals of one member's values within "
                                     "node.offender_window seconds that make it ignored; 0: "

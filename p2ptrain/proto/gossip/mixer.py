@@ -20,14 +20,13 @@ node whose step is longer than the bound can still use what arrived during it). 
 steps are measured nothing is dropped as stale. The deprecated `max_staleness_samples` > 0
 replaces it with a fixed count, as before.
 
-Clipping: each peer gradient is scaled down to `clip_multiple` times the median of a small
-window of recent norms: the own gradient's at its last `norm_window` mixes, and each peer's
-latest accepted one (one vote a sender, its last `norm_window` senders: a member that sends
-many vectors under distinct counts cannot set the median, down to refuse every honest peer or
-up to pass a huge one). A norm that is not finite, above `max_norm`, or above
-`absurd_norm_multiple` times that median is refused. Weights: a peer's vector counts for its
-claimed samples, but at most WEIGHT_SPREAD times the own weight, times how much faster the
-membership sees it train (`weight_cap`): one member's claim cannot outweigh a whole mix.
+Clipping: each peer gradient is scaled down to `clip_multiple` times a reference norm: the
+median of a small window of recent own and peer norms, bounded by the own ones (norms.py). A
+norm that is not finite, above `max_norm`, or above `absurd_norm_multiple` times the
+reference is refused (on arrival once an own norm is known, and again at the mix). Weights:
+a peer's vector counts for its claimed samples, but at most WEIGHT_SPREAD times the own
+weight, times how much faster the membership sees it train (`weight_cap`): one member's
+claim cannot outweigh a whole mix.
 
 This file never sends anything, never reads the clock, never draws random numbers and never
 does I/O. Not thread-safe: call `receive` and `mix` from one thread (the protocol loop).
@@ -37,7 +36,6 @@ from __future__ import annotations
 
 import enum
 import math
-import statistics
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,6 +53,7 @@ from p2ptrain.codecs import (
     parse_message,
 )
 from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.norms import NormWindow
 
 RATE_WINDOW = 64  # step boundaries the swarm's sample rate is measured over
 STEP_FLOOR = 2  # the staleness bound never drops below this many of the node's own steps
@@ -210,8 +209,8 @@ class GradientMixer:
         self._pending: dict[tuple[bytes, int], _Pending] = {}
         self._bytes = 0  # wire bytes held by _pending
         self._seq = 0
-        self._own_norms: deque[float] = deque(maxlen=config.norm_window)
-        self._peer_norms: dict[bytes, float] = {}  # sender -> its latest, oldest first
+        self.window = NormWindow(config.norm_window, config.absurd_norm_multiple,
+                                 config.max_norm)
         self._scratch = np.zeros(0, np.float32)  # chunk-sized, for norms of dense payloads
         self.drops: Counter[str] = Counter()  # stale, full, incomplete, malformed, norm
         self.used: Counter[bytes] = Counter()  # peer gradients mixed in, per sender
@@ -290,10 +289,7 @@ class GradientMixer:
         except CodecError:
             self._remove(key)
             raise
-        self._peer_norms.pop(entry.sender, None)  # one vote a sender: its latest
-        self._peer_norms[entry.sender] = entry.norm
-        if len(self._peer_norms) > self.config.norm_window:
-            del self._peer_norms[next(iter(self._peer_norms))]
+        self.window.add_peer(entry.sender, entry.norm)
         return Arrival.COMPLETE
 
     def _check_header(self, m: Message, entry: _Pending | None) -> None:
@@ -322,14 +318,8 @@ class GradientMixer:
         with np.errstate(over="ignore", invalid="ignore"):
             return float(np.dot(s, s))
 
-    def _norm_limit(self) -> float:
-        if not self._own_norms and not self._peer_norms:
-            return self.config.max_norm
-        median = statistics.median(self.norms)
-        return min(self.config.max_norm, self.config.absurd_norm_multiple * median)
-
     def _check_norm(self, norm: float) -> None:
-        limit = self._norm_limit()
+        limit = self.window.limit()
         if not norm <= limit:  # also catches NaN
             self.drops["norm"] += 1
             raise CodecError(f"gradient norm {norm:.4g} is absurd (limit {limit:.4g})")
@@ -378,8 +368,9 @@ class GradientMixer:
         own_norm = math.sqrt(float(np.dot(grad, grad)))
         if not math.isfinite(own_norm):
             raise ValueError("own gradient is not finite")
-        self._own_norms.append(own_norm)
-        clip_norm = self.config.clip_multiple * statistics.median(self.norms)
+        self.window.add_own(own_norm)
+        clip_norm = self.config.clip_multiple * self.window.reference()
+        limit = self.window.limit()  # an own norm known now: arrivals before it went unjudged
         used: list[tuple[_Pending, int]] = []
         stale = incomplete = 0
         bound = self.max_staleness
@@ -390,8 +381,11 @@ class GradientMixer:
                 incomplete += not entry.complete
                 self._remove(key)
             elif entry.complete:
-                used.append((entry, age))
                 self._remove(key)
+                if entry.norm <= limit:
+                    used.append((entry, age))
+                else:
+                    self.drops["norm"] += 1
         self.drops["stale"] += stale
         self.drops["incomplete"] += incomplete
         weights = [min(entry.weight, self.weight_cap(weight, entry.sender)) for entry, _ in used]
@@ -437,9 +431,8 @@ class GradientMixer:
 
     @property
     def norms(self) -> tuple[float, ...]:
-        """The norms the median is taken over: the own recent ones, oldest first, then each
-        peer's latest, oldest sender first."""
-        return (*self._own_norms, *self._peer_norms.values())
+        """The norms the reference is the median of (norms.py)."""
+        return self.window.norms
 
     def clear(self) -> None:
         """Forget every waiting gradient (e.g. after the replica was replaced); not counted

@@ -171,6 +171,18 @@ class OuterOptimizer:
         self.feedback.reset()  # (the same vector without rewinding)
 
 
+def capped(avg: np.ndarray, cap: float) -> bool:
+    """Scale `avg` down to norm `cap` if it is longer (and cap > 0): the average goes straight
+    into the weights, so it moves them at most `clip_multiple` times the node's own share,
+    whatever the peers' vectors passed (the mixer's clip is relative to a median that one
+    peer can half set at a cold start). Whether it scaled."""
+    norm = float(np.sqrt(np.dot(avg, avg)))
+    if not cap > 0 or norm <= cap:
+        return False
+    avg *= np.float32(cap / norm)
+    return True
+
+
 def outer_step(trainer: Any, now: float, loss: float,
                targets: Sequence[tuple[str, str]], partners: Sequence[tuple[str, str]],
                out: list[Out]) -> MixReport:
@@ -198,6 +210,8 @@ def outer_step(trainer: Any, now: float, loss: float,
         else:
             outer.give_back(learner.params, learner.grad)
         report = trainer.mixer.mix(learner.grad, weight, swarm)
+        if capped(learner.grad, trainer.config.clip_multiple * report.own_norm):
+            trainer.stats["outer_capped"] += 1
         outer.apply(learner.params, learner.grad)
         trainer.stats["outer_steps"] += 1
     trainer.last_mix = report
