@@ -60,6 +60,13 @@ fi
 say "using $python ($("$python" --version 2>&1))"
 
 make_venv() { "$python" -m venv "$venv" >/dev/null 2>&1; }
+if [ -x "$venv/bin/python" ] &&
+   ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  # a .venv an older Python left (Ubuntu 22.04's 3.10): pip would refuse p2ptrain in it
+  say "$venv holds $("$venv/bin/python" --version 2>&1), older than 3.11: making it anew"
+  "$python" -m venv --clear "$venv" >/dev/null 2>&1 ||
+    die "cannot recreate $venv with $python; remove it and run this again"
+fi
 if [ ! -x "$venv/bin/python" ]; then
   if ! make_venv; then
     rm -rf "$venv"
@@ -111,4 +118,6 @@ if [ "$extras" = "[test]" ]; then
 fi
 say "installing p2ptrain$extras (numpy, aiohttp, zeroconf, cryptography, xxhash, prometheus-client, tqdm, tokenizers)"
 "${pip[@]}" -e "$repo$extras"
-say "done: $("$venv/bin/p2ptrain" --version). Start training with: $venv/bin/p2ptrain join"
+version=$("$venv/bin/p2ptrain" --version) ||
+  die "p2ptrain was installed into $venv but does not start (see the error above)"
+say "done: $version. Start training with: '$venv/bin/p2ptrain' join"

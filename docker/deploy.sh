@@ -8,6 +8,8 @@
 #                                   it is in no swarm yet, create a p2ptrain swarm
 #                                   (p2ptrain init) and the Docker secret p2ptrain_token
 #                                   from its join token
+#   deploy.sh init --compose [NAME] only the p2ptrain swarm and its token file, for
+#                                   compose.yml on one machine (no Docker Swarm, no secret)
 #   deploy.sh join TOKEN MANAGER    make this machine a Docker Swarm worker (TOKEN: from
 #                                   `docker swarm join-token worker` on the manager)
 #   deploy.sh label NODE CLASS      let NODE train; CLASS: rpi, laptop, desktop or server
@@ -120,6 +122,8 @@ swarm_init() {
 }
 
 cmd_init() {
+  local compose=0
+  if [ "${1:-}" = --compose ]; then compose=1; shift; fi
   local name=${1:-p2ptrain}
   local dir key token_file
   case "$name" in
@@ -131,7 +135,7 @@ cmd_init() {
   [ ! -e "$token_file" ] || die "init: $token_file exists (a swarm was made here already);" \
     "remove it or set SWARM_DIR"
   [ ! -e "$key" ] || die "init: $key exists; choose another NAME or SWARM_DIR"
-  swarm_init
+  [ "$compose" = 1 ] || swarm_init
   [ "$DRY_RUN" = 1 ] || { mkdir -p "$dir" && chmod 700 "$dir"; }
   # The image's p2ptrain writes swarm.toml and swarm.key (mode 0600) as this user.
   run docker run --rm --network none --user "$(id -u):$(id -g)" -v "$dir:/swarm" \
@@ -146,6 +150,7 @@ cmd_init() {
       "$(base64 -w0 < "$key" | tr '+/' '-_' | tr -d '=')" > "$token_file")
     say "join token written to $token_file (a secret: anyone holding it can join the swarm)"
   fi
+  [ "$compose" = 0 ] || return 0
   if [ "$DRY_RUN" != 1 ] &&
      [ "$(docker info --format '{{.Swarm.ControlAvailable}}' 2>/dev/null)" != true ]; then
     say "this Docker is no swarm manager: enough for compose.yml; for a fleet, run on a" \

@@ -136,8 +136,9 @@ class NetConfig:
                                     flag="--max-upload-mbps", minimum=0)
     timing: str = option("lan", "protocol timing preset: lan, wan (Starlink, internet) or "
                          "local (tests)", choices=tuple(PRESETS))
-    open_routes: bool = option(True, "serve /v1/status, /metrics and the dashboard without "
-                               "authentication (read-only)")
+    open_routes: bool = option(True, "serve /v1/status, /v1/history, /metrics and the "
+                               "dashboard without authentication (read-only; /v1/health "
+                               "is always open)")
     max_connections: int = option(512, "connections the HTTP API keeps open at once (also at "
                                   "most half the open-file limit); idle ones make room for new "
                                   "ones", minimum=8)

@@ -55,3 +55,39 @@ def test_help_and_unknown_arguments(tmp_path):
     assert r.returncode == 0 and "--test" in r.stdout
     r = run_setup(path, "--bogus")
     assert r.returncode == 2 and "unknown argument --bogus" in r.stderr
+
+
+def test_a_venv_an_older_python_left_is_made_anew(tmp_path):
+    """A .venv of Python 3.10 (Ubuntu 22.04's) was reused, and pip then refused p2ptrain in
+    it ("requires a different Python"). Here the new one cannot be made (the stub python3
+    refuses `-m venv`): setup says which venv it found too old, and stops."""
+    path = fake_path(tmp_path, "3.11")
+    old = tmp_path / "venv" / "bin"
+    old.mkdir(parents=True)
+    (old / "python").write_text("#!/bin/sh\n"
+                                'case "$*" in *version_info*) exit 1;; esac\n'
+                                "echo Python 3.10.13\n")
+    (old / "python").chmod(0o755)
+    stub = Path(path) / "python3"
+    stub.write_text(stub.read_text().replace("#!/bin/sh\n", '#!/bin/sh\ncase "$*" in '
+                                             "*venv*) exit 1;; esac\n", 1))
+    r = run_setup(path, "--venv", str(tmp_path / "venv"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Python 3.10.13, older than 3.11" in r.stdout, r.stdout
+    assert "cannot recreate" in r.stderr
+
+
+def test_an_install_that_does_not_start_is_no_success(tmp_path):
+    """`p2ptrain --version` failing (a broken install) still ended in "setup: done" and exit
+    0: set -e does not see a failure inside the message's $(...)."""
+    path = fake_path(tmp_path, "3.11")
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("#!/bin/sh\nexit 0\n")  # 3.11+, and pip installs "fine"
+    (venv / "p2ptrain").write_text("#!/bin/sh\necho \"ModuleNotFoundError: numpy\" >&2\n"
+                                   "exit 1\n")
+    for f in venv.iterdir():
+        f.chmod(0o755)
+    r = run_setup(path, "--venv", str(tmp_path / "venv"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "done" not in r.stdout and "does not start" in r.stderr

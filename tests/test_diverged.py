@@ -19,8 +19,15 @@ def newest_step(state) -> int:
     return checkpoint.read_manifest(found[0]).step if found else -1
 
 
-def test_a_diverged_alone_run_says_so_and_exits_1(tmp_path):
-    r = run_cli("join", "--alone", "--steps", "30", "--batch", "4", "--lr", "1e9",
+# 1e9: the loss goes NaN; 1e4: the weights blow up to ~1e10 with every value finite, and the
+# gradient's float32 norm overflows (it crashed in the mixer: "internal error", a final
+# checkpoint of the blown-up weights, and every later join on that state dir crashed again)
+RATES = ["1e9", "1e4"]
+
+
+@pytest.mark.parametrize("lr", RATES)
+def test_a_diverged_alone_run_says_so_and_exits_1(tmp_path, lr):
+    r = run_cli("join", "--alone", "--steps", "30", "--batch", "4", "--lr", lr,
                 "--state-dir", str(tmp_path / "s"))
     assert r.returncode == 1, r.stdout + r.stderr
     out = r.stdout + r.stderr
@@ -28,11 +35,12 @@ def test_a_diverged_alone_run_says_so_and_exits_1(tmp_path):
     assert newest_step(tmp_path / "s") <= 0  # nothing past the divergence
 
 
-def test_a_diverged_swarm_node_says_so_exits_1_and_leaves_no_poisoned_checkpoint(tmp_path):
+@pytest.mark.parametrize("lr", RATES)
+def test_a_diverged_swarm_node_says_so_exits_1_and_leaves_no_poisoned_checkpoint(tmp_path, lr):
     with SwarmLab(tmp_path / "lab") as lab:
         (port,) = free_ports(1)
         env = lab.env(P2PTRAIN_NODE_MIN_PEERS="0", P2PTRAIN_EVAL_EVERY_SECONDS="1")
-        node = lab.start("a", port, [], "--lr", "1e9", "--batch", "4", "--steps", "400",
+        node = lab.start("a", port, [], "--lr", lr, "--batch", "4", "--steps", "400",
                          env=env)
         wait_for("the node to stop", lambda: not node.alive(), 120)
         out = node.output()

@@ -455,6 +455,9 @@ def expected_commands(tmp: Path) -> dict[str, tuple[list[str], dict, list[list[s
             [*run_tool, "--network", "none", "--user", user, "-v", f"{swarm}:/swarm",
              "--entrypoint", "p2ptrain", image, "init", "--name", "lab", "--out", "/swarm/lab"],
             ["docker", "secret", "create", SECRET, f"{swarm}/token"]]),
+        "init-compose": (["init", "--compose", "lab"], {}, [
+            [*run_tool, "--network", "none", "--user", user, "-v", f"{swarm}:/swarm",
+             "--entrypoint", "p2ptrain", image, "init", "--name", "lab", "--out", "/swarm/lab"]]),
         "init-advertise": (["init", "lab"], {"ADVERTISE_ADDR": "192.0.2.10"}, [
             ["docker", "swarm", "init", "--advertise-addr", "192.0.2.10"],
             [*run_tool, "--network", "none", "--user", user, "-v", f"{swarm}:/swarm",

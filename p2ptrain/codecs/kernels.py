@@ -78,6 +78,15 @@ def all_finite(a: np.ndarray) -> bool:
     return bool(np.isfinite(a).all())
 
 
+def finite_norm(a: np.ndarray) -> bool:
+    """True if every element of the float32 vector is finite *and* its squared norm does not
+    overflow float32 (what the mixer and the optimiser's clip compute): a gradient of finite
+    but huge elements (a run blowing up at a moderate learning rate) is as unusable as one
+    holding inf. One BLAS pass."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.dot(a, a)))
+
+
 def max_abs(a: np.ndarray) -> float:
     """Largest magnitude in a float array (NaN if it holds a NaN); 0.0 for an empty array."""
     if a.size == 0:

@@ -25,7 +25,7 @@ message's sender equals the authenticated sender (400). The runtime then handles
 addressed to the sender travel in the response (the only way to reach an outbound-only
 peer), as a concatenation of frames with a response MAC; a message the protocol refused gets
 400 (or 409 for a configuration mismatch) with the reason. Open routes take no input and
-never reveal the key or weights; `net.open_routes = false` puts them behind the MAC too.
+never reveal the key or weights; `net.open_routes = false` puts them (not health) behind the MAC.
 
 Connections are counted and timed out by gate.py (caps per IP and in total, header and idle
 timeouts). The byte budget bounds the memory held by request bodies that are not verified
@@ -321,18 +321,18 @@ def _open(handler):
 
 async def _health(request: web.Request) -> web.Response:
     srv = request.app[SERVED]
-    return web.json_response(srv.host.health())
+    return web.json_response(srv.host.health(), dumps=dashboard.dumps)
 
 
 async def _status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SERVED].host.status())
+    return web.json_response(request.app[SERVED].host.status(), dumps=dashboard.dumps)
 
 
 async def _history(request: web.Request) -> web.Response:
     history = request.app[SERVED].history
     if history is None:
         return _error(404, "this node keeps no history")
-    response = web.json_response(history())
+    response = web.json_response(history(), dumps=dashboard.dumps)
     response.enable_compression()  # up to some hundred kB of points, every few seconds
     return response
 

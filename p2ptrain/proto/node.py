@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2ptrain.codecs import CodecError
-from p2ptrain.codecs.kernels import all_finite
+from p2ptrain.codecs.kernels import finite_norm
 from p2ptrain.proto import wire
 from p2ptrain.proto.config import ProtoConfig
 from p2ptrain.proto.control import Control
@@ -373,7 +373,7 @@ class Node:
             learner.count.merge(self.control.sample_counts())
         trainer.flush()
         loss = event.loss
-        if isinstance(loss, numbers.Real) and math.isfinite(loss) and all_finite(learner.grad):
+        if isinstance(loss, numbers.Real) and math.isfinite(loss) and finite_norm(learner.grad):
             peers = [] if joining else self.alive_peers()
             trainer.step(now, float(loss), peers, peers, msgs)
             self.loss = float(loss)
