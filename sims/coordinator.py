@@ -15,9 +15,10 @@ batch-weighted gradients until that many samples are in and then takes one step 
 gradients computed on weights more than `max_staleness` updates old. Its update costs
 `update_seconds_per_param` x parameters of its CPU (a FIFO, like a link). It checkpoints every
 `checkpoint_interval` of the protocol config; when it dies (a leader kill, or its machine's
-failure) training stops; if it comes back it restarts from that checkpoint. A worker whose
-request is refused (the coordinator is down, or cut off) or lost on the way asks again
-`retry` seconds later. Pure: virtual time, seeds only.
+failure) training stops; if it comes back it restarts from that checkpoint. A message lost
+on the way (a lossy link) is sent again after TCP's retransmission timeout; a worker whose
+request is refused (the coordinator is down) or cut off by a partition asks again `retry`
+seconds later. Pure: virtual time, seeds only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from sims.engine import stream_seed
 from sims.fleet import World, proto_config
 from sims.links import Resource
 from sims.metrics import Recorder
+from sims.network import RETRANSMIT_SECONDS
 from sims.scenario import Method
 
 HEADER_BYTES = 256  # request line, MAC and framing around a push or a pull
@@ -178,8 +180,12 @@ class CoordinatorSim:
         if src == dst:  # loopback on the coordinator's own machine
             self.engine.after(0.0, deliver)
             return
+        def lost() -> None:  # TCP resends what a lossy link lost: a delay, not a failure
+            self.engine.after(RETRANSMIT_SECONDS, self._send, src, dst, size, kind, deliver,
+                              failed, reply)
+
         if not self.network.send(src, dst, size, deliver, reply=reply,
-                                 bulk=size > HEADER_BYTES, on_lost=failed):
+                                 bulk=size > HEADER_BYTES, on_lost=lost, on_cut=failed):
             failed()
 
     def _refused(self, w: Worker, gen: int) -> None:

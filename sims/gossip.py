@@ -69,10 +69,10 @@ from sims.charge import ModelSize
 from sims.engine import Timer, stream_seed
 from sims.fleet import Member, World, proto_config
 from sims.metrics import Recorder
+from sims.network import RETRANSMIT_SECONDS
 from sims.scenario import Method
 
 CHECKPOINT_OVERHEAD = 4096  # bytes of manifest and headers around a checkpoint's weights
-RETRANSMIT_SECONDS = 0.2  # TCP's retransmission timeout (Linux's minimum RTO)
 MAX_WAKES_AT_ONCE = 1000  # a node woken this often at one virtual time is spinning
 SHARE_TOLERANCE = 0.1  # how far (relative) a proxy's subset share may be from the method's
 
@@ -226,18 +226,37 @@ class GossipSim:
             answer = CheckpointFetched(None, reason=reason, retry=ckpt is not None)
             self.engine.after(0.0, self._fetched, i, generation, answer)
             return
-        size = self.world.charged.params * 4 + CHECKPOINT_OVERHEAD
         self.fetches += 1
-        self.recorder.sent("checkpoint", size)
         answer = CheckpointFetched(f"{ckpt.time}", sum(ckpt.counts.values()),
                                    counts=dict(ckpt.counts))
         self.fetched_data[answer.path] = ckpt
-        ok = self.network.send(source, i, size,
-                               lambda: self._fetched(i, generation, answer),
-                               reply=True, bulk=True)
-        if not ok:
+        self._ship(source, i, generation, answer)
+
+    def _ship(self, source: int, i: int, generation: int, answer: CheckpointFetched) -> None:
+        """Send a fetched checkpoint's bytes. Lost on a lossy link, they go again after TCP's
+        retransmission timeout; cut off by a partition (or refused), the fetch fails and the
+        node retries it -- it waited for an answer that never came, out of training, until
+        its machine next failed (the runtime gives a fetch FETCH_DEADLINE)."""
+        size = self.world.charged.params * 4 + CHECKPOINT_OVERHEAD
+
+        def failed(reason: str) -> None:
             self.engine.after(0.0, self._fetched, i, generation, CheckpointFetched(
-                None, reason="transfer refused", retry=True))
+                None, reason=reason, retry=True))
+
+        if self.machines[source].node is None:  # it died since: a connection reset
+            failed("source unreachable")
+            return
+        self.recorder.sent("checkpoint", size)
+
+        def lost() -> None:
+            if self.machines[i].node is not None and self.machines[i].generation == generation:
+                self.retransmits += 1
+                self.engine.after(RETRANSMIT_SECONDS, self._ship, source, i, generation, answer)
+
+        if not self.network.send(source, i, size, lambda: self._fetched(i, generation, answer),
+                                 reply=True, bulk=True, on_lost=lost,
+                                 on_cut=lambda: failed("cut off by a partition")):
+            failed("transfer refused")
 
     def _fetched(self, i: int, generation: int, answer: CheckpointFetched) -> None:
         mach = self.machines[i]

@@ -47,6 +47,7 @@ MBIT = 1e6 / 8
 # the real node's pacer sends them on a control lane ahead of its own bulk (BENCHMARKS §11).
 CONTROL_WAIT = 0.05
 CONTROL_BYTES = 64 << 10  # a message this small and not bulk is a control message
+RETRANSMIT_SECONDS = 0.2  # TCP's retransmission timeout (Linux's minimum RTO)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,10 +209,13 @@ class Network:
 
     def send(self, src: int, dst: int, size: int, deliver: Callable[[], None], *,
              reply: bool = False, droppable: bool = False, bulk: bool = False,
-             on_lost: Callable[[], None] | None = None) -> bool:
+             on_lost: Callable[[], None] | None = None,
+             on_cut: Callable[[], None] | None = None) -> bool:
         """Hand `size` bytes from src to dst; `deliver()` runs when they arrive (if they do),
-        `on_lost()` if they are lost on the way. False if refused at once (unreachable, or
-        a droppable push over the in-flight limit)."""
+        `on_lost()` if they are lost on the way (a lossy link: TCP would resend them),
+        `on_cut()` if a partition came between the two ends meanwhile (the connection
+        fails). False if refused at once (unreachable, or a droppable push over the
+        in-flight limit)."""
         if not self.reachable(src, dst, reply):
             self.traffic.refused += 1
             return False
@@ -229,6 +233,8 @@ class Network:
                 self.in_flight[pair] -= 1
             if self.groups.get(src, 0) != self.groups.get(dst, 0):
                 self.traffic.dropped += 1
+                if on_cut is not None:
+                    on_cut()
                 return
             self.traffic.received[dst] += size
             deliver()

@@ -30,6 +30,16 @@ SIMULATORS = {"gossip": GossipSim, "coordinator": CoordinatorSim, "allreduce": R
 def run_method(scenario: Scenario, method: Method, seed: int) -> dict[str, Any]:
     """One method of a training scenario, in a fresh world. A method's `lr` replaces the
     scenario's `[train] lr` for it alone (each method at its own best learning rate)."""
+    sim, lr = build(scenario, method, seed)
+    result = sim.run()
+    if lr is not None:
+        result["params"] = {**result["params"], "lr": float(lr)}  # results.json says it
+    return result
+
+
+def build(scenario: Scenario, method: Method, seed: int) -> tuple[Any, float | None]:
+    """The simulator of one method of a training scenario, ready to run, and the method's
+    own `lr` (None: the scenario's)."""
     lr = None
     if "lr" in method.params:
         params = dict(method.params)
@@ -43,10 +53,7 @@ def run_method(scenario: Scenario, method: Method, seed: int) -> dict[str, Any]:
     sim = SIMULATORS[method.kind](world, method)
     if scenario.stop_at_target:
         sim.recorder.stop = world.engine.stop
-    result = sim.run()
-    if lr is not None:
-        result["params"] = {**result["params"], "lr": float(lr)}  # results.json says it
-    return result
+    return sim, lr
 
 
 def fleet_summary(scenario: Scenario, seed: int) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from sims.scenario import Method, Scenario
 HEADER_BYTES = 256
 GOSSIP_KNOBS = {"fanout", "codec", "codec_params", "average_every", "averaging",
                 "subset_fraction", "average_timeout", "average_timeout_margin",
-                "average_timeout_max"}
+                "average_timeout_max", "average_every_fast", "average_fast_share"}
 COORDINATOR_KNOBS = {"codec", "codec_params", "pull", "update_seconds_per_param"}
 SWEEP_KEYS = {"nodes", "params", "charges"}
 
@@ -135,6 +135,17 @@ class GossipTraffic:
                                                             base.subset_fraction)))
         self.average_bytes = vector_bytes(plan.codec(), plan.capacity) + HEADER_BYTES
         self.average_every = int(p.get("average_every", base.average_every))
+        fast = dataclasses.replace(base, average_every_fast=int(p.get(
+            "average_every_fast", base.average_every_fast)), average_fast_share=float(p.get(
+            "average_fast_share", base.average_fast_share)), average_every=self.average_every)
+        speeds = [world.compute_seconds(m) / m.batch for m in world.members]
+        fastest = sum(s <= min(speeds) * 1.0001 for s in speeds)
+        if fast.fast_averaging_due(fast.average_every_fast) and fast.fast_core(fastest,
+                                                                               len(speeds)):
+            raise ValueError("traffic gossip: this fleet has a fast core (its fastest "
+                             f"{fastest} of {len(speeds)} machines) whose every-step "
+                             "averaging traffic mode does not model; set "
+                             "average_every_fast = 0 (and say so in the method's name)")
         self.average_timeout = float(p.get("average_timeout", NodeConfig().average_timeout))
         self.margin = float(p.get("average_timeout_margin", base.average_timeout_margin))
         self.ceiling = float(p.get("average_timeout_max", base.average_timeout_max))

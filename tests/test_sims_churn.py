@@ -126,3 +126,67 @@ def test_a_node_whose_deadline_stays_in_the_past_fails_the_run_loudly(ci):
     engine.at(1.0, break_node)
     with pytest.raises(RuntimeError, match="machine 0: 1001 wakes at t=1.000"):
         sim.run()
+
+
+def test_a_checkpoint_lost_or_cut_off_on_the_way_is_still_answered(ci):
+    """A fetch whose bytes a lossy link lost, or a partition cut off, was never answered: the
+    rejoining node sat in `fetching`, out of training, until its machine next failed. Lost
+    bytes go again (TCP); a cut fetch fails and is retried."""
+    scenario = ci.replace(churn=Churn(failures=True, mttf_scale=1e-4, mttr_scale=2e-3),
+                          duration=12.0)
+    world = _world(scenario)
+    sim = GossipSim(world, scenario.methods[0])
+    size = world.charged.params * 4
+    send, spoiled, answered = world.network.send, [], []
+
+    def spoiling_send(src, dst, n, deliver, **kw):
+        if kw.get("reply") and n >= size and len(spoiled) < 2:  # a checkpoint's bytes
+            spoiled.append((dst, sim.machines[dst].generation))
+            how = kw.get("on_lost") if len(spoiled) == 1 else kw.get("on_cut")
+            if how is not None:  # (none: the bytes vanish, as they did)
+                world.engine.after(0.5, how)
+            return True
+        return send(src, dst, n, deliver, **kw)
+
+    world.network.send = spoiling_send
+    fetched = sim._fetched
+
+    def recording_fetched(i, generation, answer):
+        answered.append((i, generation, answer.path is not None))
+        fetched(i, generation, answer)
+
+    sim._fetched = recording_fetched
+    sim.run()
+    assert len(spoiled) == 2, spoiled
+    got = {(i, generation): ok for i, generation, ok in answered}
+    assert [got.get(key) for key in spoiled] == [True, False], (spoiled, answered)  # resent;
+    assert sim.retransmits >= 1  # the cut one failed (the node retries its fetch)
+
+
+def test_the_coordinators_lost_messages_are_resent_and_cut_ones_retried(ci):
+    """What a lossy link loses, TCP resends (a delay: no retry of the worker's exchange, as
+    the README says); what a partition cuts off fails the exchange (it hung for good)."""
+    world = _world(ci.replace(duration=6.0))
+    sim = CoordinatorSim(world, ci.methods[1])
+    send, spoiled = world.network.send, []
+
+    def spoiling_send(src, dst, n, deliver, **kw):
+        if kw.get("reply") and len(spoiled) < 2:  # the coordinator's first two replies
+            spoiled.append(dst)
+            how = kw.get("on_lost") if len(spoiled) == 1 else kw.get("on_cut")
+            if how is not None:
+                world.engine.after(0.1, how)
+            return True
+        return send(src, dst, n, deliver, **kw)
+
+    world.network.send = spoiling_send
+    weights, got = sim._weights, []
+
+    def recording_weights(w, *args):
+        got.append(w.index)
+        weights(w, *args)
+
+    sim._weights = recording_weights
+    result = sim.run()
+    assert len(spoiled) == 2 and result["retries"] == 1, (spoiled, result["retries"])
+    assert all(i in got for i in spoiled), (spoiled, got)  # both workers went on
