@@ -50,13 +50,20 @@ def state_arrays(meta: Any, n: int) -> dict[str, np.ndarray] | None:
     return out
 
 
+MAX_MAGNITUDE = 2.0**40  # no honest progress or scale comes near: decoded values stay finite
+
+
 def finite(arrays: Mapping[str, np.ndarray]) -> bool:
-    """No bfloat16 infinity or NaN, no scale below zero or not finite. Checked a block at a
-    time: at start-up, beside the model, a temporary of the vector's size is not free."""
+    """No bfloat16 value (progress) of magnitude 2^40 or more -- infinity and NaN included --
+    and no scale below zero, not finite or above 2^40: a scale of 3e38 passed, and its codes
+    decoded to infinity (the next share raised); progress of 3.4e38 went into the weights at
+    the next rewind. Checked a block at a time: at start-up, beside the model, a temporary of
+    the vector's size is not free."""
+    top = (127 + 40) << 7  # the bfloat16 exponent field of 2^40
     for a in arrays.values():
-        if a.dtype == np.uint16 and any(bool(((a[lo:hi] & 0x7F80) == 0x7F80).any())
+        if a.dtype == np.uint16 and any(bool(((a[lo:hi] & 0x7F80) >= top).any())
                                         for lo, hi in blocks(a.shape[0])):
             return False
-        if a.dtype == np.float32 and not bool((np.isfinite(a) & (a >= 0)).all()):
-            return False
+        if a.dtype == np.float32 and not bool(((a >= 0) & (a <= MAX_MAGNITUDE)).all()):
+            return False  # (NaN fails both comparisons)
     return True

@@ -81,7 +81,12 @@ def test_a_state_that_is_not_finite_or_does_not_fit_is_refused(tmp_path):
     bad_scale = dict(good, **{"outer.feedback.scales": good["outer.feedback.scales"].copy()})
     bad_scale["outer.feedback.scales"][0] = -1.0
     short = dict(good, **{"outer.feedback.codes": good["outer.feedback.codes"][:-1]})
-    for arrays in (nan_bits, bad_scale, short, {}):
+    # finite but absurd: a scale whose codes decode to infinity, progress of 3.4e38
+    huge_scale = dict(good, **{"outer.feedback.scales": good["outer.feedback.scales"].copy()})
+    huge_scale["outer.feedback.scales"][0] = 3e38
+    huge_bits = dict(good, **{"outer.progress.bits": good["outer.progress.bits"].copy()})
+    huge_bits["outer.progress.bits"][3] = 0x7F7F  # bfloat16's largest finite value
+    for arrays in (nan_bits, bad_scale, short, {}, huge_scale, huge_bits):
         assert not fresh.restore({"meta": meta, "arrays": arrays})
         assert not fresh.progress.any() and not fresh.feedback.any()
     assert not fresh.restore({"meta": dict(meta, n=meta["n"] + 1), "arrays": good})
