@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -213,16 +214,34 @@ def _unknown_key(key: str, origin: str) -> ConfigError:
     return ConfigError(f"{origin}: unknown key {key!r}{hint}{listing}")
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few kB
+
+
 def read_file(path: Path) -> dict[str, Any]:
+    """The file's options, flattened; ConfigError (one line) for anything but a regular file
+    of UTF-8 TOML up to 1 MiB -- a FIFO hung the start, /dev/zero ran out of memory, Latin-1
+    bytes and a nesting 5,000 deep were tracebacks."""
     try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(f"config file {path} is not a regular file")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read(MAX_CONFIG_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path} is larger than 1 MiB: not a config file?")
+        table = tomllib.loads(data.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:
+        why = exc if isinstance(exc, tomllib.TOMLDecodeError) else "nested too deep"
+        raise ConfigError(f"config file {path} is not valid TOML: {why}") from None
     return _flatten(table)
 
 

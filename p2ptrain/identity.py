@@ -19,6 +19,7 @@ from p2ptrain.fsutil import atomic_write_bytes, write_small
 
 KEY_FILE = "identity.key"
 INCARNATION_FILE = "incarnation"
+MAX_INCARNATION = 2**52  # what peers accept (proto/records.py MAX_EPOCH)
 
 
 class IdentityError(Exception):
@@ -72,11 +73,19 @@ def load_or_create(state_dir: Path, bump_incarnation: bool = True) -> Identity:
     inc_path = state_dir / INCARNATION_FILE
     incarnation = 0
     if inc_path.exists():
+        # peers remember the incarnations they saw: removing only this file makes them refuse
+        # the node as a replay; a new identity is a new member to them
+        fresh = (f"remove it and {state_dir / KEY_FILE} to join as a new node (or write a "
+                 f"number above the last one this node used)")
         try:
             incarnation = int(inc_path.read_text().strip() or 0)
-        except ValueError:
-            msg = f"{inc_path} does not hold an integer; remove it to reset"
-            raise IdentityError(msg) from None
+        except (ValueError, UnicodeError):
+            raise IdentityError(f"{inc_path} does not hold an integer; {fresh}") from None
+        except OSError as exc:
+            raise IdentityError(f"cannot read {inc_path}: {exc.strerror or exc}") from None
+        if not 0 <= incarnation < MAX_INCARNATION:
+            raise IdentityError(f"{inc_path} holds {incarnation}, outside 0..2^52 (damaged?); "
+                                f"{fresh}")
     if bump_incarnation:
         incarnation += 1
         try:  # in place when the disk is full: a restart must never reuse an incarnation

@@ -70,3 +70,23 @@ def test_show_output_is_toml_that_resolves_to_the_same_values(tmp_path):
     f.write_text(to_toml(cfg, with_sources=False))
     assert tomllib.loads(text)  # comments included, still TOML
     assert resolve(str(f), {}, {}).values == cfg.values
+
+
+def test_odd_config_files_get_one_line_each_and_never_hang(tmp_path):
+    """A FIFO hung the start, /dev/zero ran out of memory, Latin-1 bytes and a nesting 5,000
+    deep were tracebacks."""
+    import os
+
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'[swarm]\nname = "caf\xe9"\n')
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (2 << 20))
+    for path, reason in ((fifo, "not a regular file"), ("/dev/zero", "not a regular file"),
+                         (latin, "not UTF-8"), (deep, "nested too deep"),
+                         (big, "larger than 1 MiB"), (tmp_path, "not a regular file")):
+        with pytest.raises(ConfigError, match=reason):
+            resolve(str(path), {}, {})

@@ -6,6 +6,7 @@ state directory so that a restart does not open it again."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import secrets
 import stat
@@ -59,6 +60,14 @@ def test_a_restart_does_not_open_the_grace_again(tmp_path):
     later = asyncio.run(keys(0.3))  # the next life: the grace was used up
     assert later.retired and not later.in_grace()
     assert read_used(tmp_path / GRACE_FILE, "another id") == 0.0
+    # a damaged count (an empty file after a power cut, a string) reopened the whole grace
+    for damaged in (b"", b'{"previous": "%s", "used": "x"}' % swarm.previous_id.encode(),
+                    b"\xff"):
+        (tmp_path / GRACE_FILE).write_bytes(damaged)
+        assert read_used(tmp_path / GRACE_FILE, swarm.previous_id) == math.inf, damaged
+        assert asyncio.run(keys(3600.0)).retired
+    (tmp_path / GRACE_FILE).unlink()  # none at all: a fresh rotation, the whole grace
+    assert read_used(tmp_path / GRACE_FILE, swarm.previous_id) == 0.0
 
 
 CONFIG = """# my fleet

@@ -76,3 +76,31 @@ def test_the_digest_names_the_exact_signed_manifest(tmp_path):
     again = mf.sign(ident, step=a.step, term=a.term, fingerprint=a.fingerprint, arch=a.arch,
                     swarm_count=a.swarm_count, files=a.files)
     assert again.digest != a.digest  # same content, another signer
+
+
+def test_a_term_beyond_the_protocols_bound_is_refused_and_a_damaged_term_file_ignored(
+        tmp_path):
+    """A `term` file damaged to 2^60 made the node lead in a term no peer accepts, write it
+    into a checkpoint and stop with an internal error at every start, also once the file
+    was deleted (it resumed that checkpoint)."""
+    from p2ptrain.net.saving import read_term
+
+    doc = checkpoint.read_manifest(PREV).to_json()
+    with pytest.raises(checkpoint.ManifestError, match="beyond the protocol's 2"):
+        mf.parse(dict(doc, term=2**60))
+    with pytest.raises(checkpoint.ManifestError, match="signature"):  # in range: read on
+        mf.parse(dict(doc, term=2**52))
+    path = tmp_path / "term"
+    for text, want in (("2305843009213693952\n", 0), ("-3", 0), ("\xff", 0), ("41\n", 41)):
+        path.write_text(text, encoding="latin-1")
+        assert read_term(path) == want, text
+
+
+def test_an_incarnation_file_out_of_range_says_what_to_do(tmp_path):
+    from p2ptrain.identity import IdentityError
+
+    load_or_create(tmp_path)
+    for text in ("1152921504606846976", "-7", "x"):
+        (tmp_path / "incarnation").write_text(text)
+        with pytest.raises(IdentityError, match="identity.key to join as a new node"):
+            load_or_create(tmp_path)

@@ -216,3 +216,48 @@ def test_a_killed_prepares_leftovers_are_removed_by_the_next(shakespeare, tmp_pa
     prepare([root / "text"], tokenizer, tmp_path / "corpus", shard_tokens=50_000,
             progress=False, say=lambda *_: None)
     assert not orphan.exists() and mine.exists() and (tmp_path / "corpus").is_dir()
+
+
+def test_hidden_files_a_half_prepared_corpus_and_odd_text_are_handled(shakespeare, tmp_path):
+    """A git checkout's .git/objects were trained on as text; a prepared corpus without its
+    meta.json was read as text (the tokenizer's JSON); a file of one line was held whole;
+    Latin-1 text became U+FFFD without a word."""
+    from p2ptrain.data.corpus import text_files
+    from p2ptrain.data.prepare import BLOCK_BYTES, _blocks
+
+    repo = tmp_path / "repo"
+    (repo / ".git" / "objects").mkdir(parents=True)
+    (repo / ".git" / "objects" / "7dcb3a").write_bytes(b"x\x9c\x00binary")
+    (repo / ".hidden.txt").write_text("no")
+    (repo / "a.txt").write_text(TEXT[:1000])
+    assert text_files(repo) == [repo / "a.txt"]
+    _, tokenizer, out, _ = shakespeare
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    with pytest.raises(DataError, match="looks like a prepared corpus"):
+        load_corpus(str(half), 0.1, 66)
+    line = tmp_path / "line.txt"
+    line.write_bytes(b"x" * (3 * BLOCK_BYTES + 5))
+    sizes = [len(b) for b in _blocks(line)]
+    assert max(sizes) <= BLOCK_BYTES and sum(sizes) == 3 * BLOCK_BYTES + 5
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("First Citizen: Before we proceed\n".encode("latin-1") + b"caf\xe9\n")
+    said: list[str] = []
+    prepare([latin], tokenizer, tmp_path / "c2", progress=False, say=said.append)
+    assert any("not all UTF-8" in s for s in said), said
+
+
+def test_ids_of_a_vocabulary_with_gaps_keep_their_values(tmp_path):
+    """The dtype and vocabulary came from the count of entries: ids past it were written
+    past the vocabulary, or wrapped into another token's id (training went on, on garbage)."""
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1, "e": 65537}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    (tmp_path / "t.txt").write_text("a e a e\n" * 50)
+    prepare([tmp_path / "t.txt"], path, tmp_path / "out", progress=False, say=lambda _t: None)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["vocab_size"] == 65538 and meta["dtype"] == "uint32"
+    prepared = open_prepared(tmp_path / "out")
+    assert set(np.unique(prepared.train[0 : prepared.train.size])) == {0, 65537}

@@ -8,7 +8,8 @@ writes it, the server serves it, the fetcher checks chunks against it -- all thr
 this file, so a manifest one accepts the others accept too.
 
 Rules (a manifest from a file or a peer is hostile until `parse` accepted it):
-- exactly the known keys; format FORMAT; step, term and counts are integers in [0, 2^63);
+- exactly the known keys; format FORMAT; step, term and counts are integers in [0, 2^63)
+  (a term at most 2^52, the protocol's bound);
   swarm_samples is the sum of swarm_count;
 - leader and key are hex of the right length and the key hashes to the leader's id; the
   signature verifies;
@@ -137,6 +138,9 @@ def _is_hex(value: object, length: int) -> bool:
     return isinstance(value, str) and len(value) == length and _HEX.issuperset(value)
 
 
+MAX_TERM = 2**52  # the protocol's bound on a term (proto/records.py MAX_EPOCH)
+
+
 def _is_count(value: object) -> bool:
     return type(value) is int and 0 <= value < 2**63
 
@@ -168,6 +172,8 @@ def parse(doc: object) -> Manifest:
         raise ManifestError(f"not a {FORMAT} manifest")
     if not all(_is_count(doc[k]) for k in ("step", "term", "swarm_samples")):
         raise ManifestError("step, term or swarm_samples is not a count")
+    if doc["term"] > MAX_TERM:  # a node resuming it would take a term no peer accepts
+        raise ManifestError(f"term {doc['term']} is beyond the protocol's 2^52")
     if not (_is_hex(doc["leader"], 32) and _is_hex(doc["leader_key"], 64)
             and _is_hex(doc["signature"], 128)):
         raise ManifestError("leader, key or signature is malformed")

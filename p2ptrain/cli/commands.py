@@ -15,12 +15,13 @@ from p2ptrain.checkpoint.safetensors_io import SafetensorsError
 from p2ptrain.cli.args import flags_of, model_params, resolve_checkpoint, resolve_config
 from p2ptrain.config import ConfigError, to_toml
 from p2ptrain.data import DataError
+from p2ptrain.data.tokens import TokenDataError
 from p2ptrain.errors import UserError
 from p2ptrain.identity import IdentityError
 from p2ptrain.swarm import SwarmError
 
-USER_ERRORS = (UserError, ConfigError, DataError, checkpoint.CheckpointError, IdentityError,
-               SafetensorsError, SwarmError)
+USER_ERRORS = (UserError, ConfigError, DataError, TokenDataError, checkpoint.CheckpointError,
+               IdentityError, SafetensorsError, SwarmError)
 
 
 def dispatch(args: argparse.Namespace) -> int:
@@ -74,7 +75,7 @@ def model_summary(cfg) -> str:
     from dataclasses import fields, replace
 
     from p2ptrain.config import ConfigError
-    from p2ptrain.data.tokens import TokenDataError, is_prepared, open_prepared
+    from p2ptrain.data.tokens import is_prepared, open_prepared
     from p2ptrain.models import build_model, presets
     from p2ptrain.models.rwkv import RWKVConfig
 

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import numpy as np
 
-from p2ptrain.data.tokens import TokenDataError, TokenShards, is_prepared, open_prepared
+from p2ptrain.data.tokens import (
+    META_FILE,
+    SHARD_RE,
+    TOKENIZER_FILE,
+    TokenDataError,
+    TokenShards,
+    is_prepared,
+    open_prepared,
+)
 
 VOCAB_SIZE = 256
 BUILTIN_NAME = "tinyshakespeare"
@@ -52,6 +60,20 @@ class Corpus:
     tokenizer_id: str = "bytes"  # what nodes compare: sha256 of tokenizer.json, 16 hex
 
 
+def text_files(root: Path) -> list[Path]:
+    """The text files below directory `root`, sorted: by suffix (TEXT_SUFFIXES), and none
+    under or named by a dot (a git checkout's .git/objects were read as text). A directory
+    holding a prepared corpus's tokenizer or shards but no readable meta.json is refused: it
+    was read as text -- training on the tokenizer's JSON -- and said nothing."""
+    if (root / TOKENIZER_FILE).exists() or any(SHARD_RE.fullmatch(p.name)
+                                               for p in root.iterdir()):
+        raise DataError(f"{root} looks like a prepared corpus (tokenizer.json, shards) but its "
+                        f"{META_FILE} is missing or not a regular file: prepare it again "
+                        f"(p2ptrain data prepare)")
+    return sorted(p for p in root.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
+
+
 def _builtin_bytes() -> bytes:
     return resources.files("p2ptrain.data").joinpath("tinyshakespeare.txt").read_bytes()
 
@@ -61,7 +83,7 @@ def _read_tokens(path: Path) -> np.ndarray:
         raise DataError(f"data path {path} does not exist")
     try:
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+            files = text_files(path)
             if not files:
                 raise DataError(f"data directory {path} holds no text files")
             blob = b"\n".join(p.read_bytes() for p in files)

@@ -23,7 +23,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from p2ptrain.data.corpus import TEXT_SUFFIXES
+from p2ptrain.data.corpus import DataError, text_files
 from p2ptrain.data.tokens import (
     DTYPES,
     FORMAT,
@@ -55,8 +55,10 @@ def input_files(inputs: list[Path]) -> list[Path]:
         if not path.exists():
             raise TokenDataError(f"input {path} does not exist")
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file()
-                           and p.suffix in TEXT_SUFFIXES)
+            try:
+                found = text_files(path)
+            except DataError as exc:
+                raise TokenDataError(str(exc)) from None
             if not found:
                 raise TokenDataError(f"input directory {path} holds no text files")
             files += found
@@ -65,32 +67,52 @@ def input_files(inputs: list[Path]) -> list[Path]:
     return files
 
 
-def _blocks(path: Path) -> Iterator[str]:
-    """The file's text in blocks of whole lines (invalid UTF-8 becomes U+FFFD)."""
+def _blocks(path: Path, invalid: list[int] | None = None) -> Iterator[str]:
+    """The file's text in blocks of whole lines, or, past BLOCK_BYTES without a line end
+    (minified text, CR-only line ends), cut after a space or else between characters: a
+    file of one line was held whole (6.2 GB for 32 MB; /dev/zero ran out of memory).
+    Invalid UTF-8 becomes U+FFFD; `invalid[0]` counts the blocks that held some."""
     with open(path, "rb") as f:
         rest = b""
         while block := f.read(BLOCK_BYTES):
             block = rest + block
             cut = block.rfind(b"\n") + 1
+            if cut == 0 and len(block) >= BLOCK_BYTES:
+                cut = max(block.rfind(b" "), block.rfind(b"\r"), block.rfind(b"\t")) + 1
+                if cut == 0:  # no space either: before the last UTF-8 lead byte
+                    cut = next((i for i in range(len(block) - 1, max(-1, len(block) - 5), -1)
+                                if block[i] & 0xC0 != 0x80), len(block)) or len(block)
             if cut == 0:
                 rest = block
                 continue
             rest = block[cut:]
-            yield block[:cut].decode("utf-8", "replace")
+            yield _decode(block[:cut], invalid)
         if rest:
-            yield rest.decode("utf-8", "replace")
+            yield _decode(rest, invalid)
+
+
+def _decode(data: bytes, invalid: list[int] | None) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        if invalid is not None:
+            invalid[0] += 1
+        return data.decode("utf-8", "replace")
 
 
 class _ShardWriter:
     """Token ids to numbered part files of at most `limit` ids each."""
 
-    def __init__(self, root: Path, dtype: np.dtype, limit: int):
-        self.root, self.dtype, self.limit = root, dtype, limit
+    def __init__(self, root: Path, dtype: np.dtype, limit: int, vocab: int):
+        self.root, self.dtype, self.limit, self.vocab = root, dtype, limit, vocab
         self.parts: list[tuple[Path, int]] = []
         self._file = None
         self._count = 0
 
     def write(self, ids: np.ndarray) -> None:
+        if ids.size and int(ids.max()) >= self.vocab:  # never wrapped into another token
+            raise TokenDataError(f"the tokenizer produced id {int(ids.max())}, outside its "
+                                 f"vocabulary of {self.vocab}")
         ids = ids.astype(self.dtype, copy=False)
         while ids.size:
             if self._file is None or self._count == self.limit:
@@ -159,7 +181,9 @@ def prepare(inputs: list[Path], tokenizer_path: Path, out: Path, holdout_fractio
     except Exception as exc:  # the library raises its own exception types
         raise TokenDataError(f"{tokenizer_path} is not a tokenizers document: "
                              f"{str(exc)[:120]}") from None
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    # the ids' range, not their count: a vocabulary with gaps has ids past its size
+    vocab = max(tokenizer.get_vocab_size(with_added_tokens=True),
+                max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
     dtype_name = dtype_for(vocab)
     files = input_files(inputs)
     total_bytes = sum(p.stat().st_size for p in files)
@@ -168,17 +192,21 @@ def prepare(inputs: list[Path], tokenizer_path: Path, out: Path, holdout_fractio
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        writer = _ShardWriter(tmp, DTYPES[dtype_name], shard_tokens)
+        writer = _ShardWriter(tmp, DTYPES[dtype_name], shard_tokens, vocab)
         show = sys.stderr.isatty() if progress is None else progress
         with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
                   disable=not show) as bar:
             for path in files:
-                for block in _blocks(path):
+                invalid = [0]
+                for block in _blocks(path, invalid):
                     encoded = tokenizer.encode_batch(block.splitlines(keepends=True),
                                                      add_special_tokens=False)
                     writer.write(np.fromiter(itertools.chain.from_iterable(
                         e.ids for e in encoded), dtype=np.int64))
                     bar.update(len(block.encode("utf-8", "replace")))
+                if invalid[0]:
+                    say(f"warning: {path} is not all UTF-8 text: {invalid[0]} of its blocks "
+                        f"had invalid bytes, tokenized as U+FFFD (convert it to UTF-8 first?)")
                 if not show:
                     say(f"tokenized {path}")
         writer.close()

@@ -61,7 +61,7 @@ class TokenShards:
         if not isinstance(key, slice) or key.step not in (None, 1):
             raise TypeError("token shards take plain slices")
         a, b, _ = key.indices(self.size)
-        parts = []
+        start, parts = a, []
         first = int(np.searchsorted(self.starts, a, side="right")) - 1
         i = max(first, 0)
         while a < b and i < len(self.maps):
@@ -74,8 +74,10 @@ class TokenShards:
             return np.empty(0, self.dtype)
         out = np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
         if out.size and int(out.max()) >= self.vocab_size:
-            raise TokenDataError(f"a token id {int(out.max())} is not below the vocabulary "
-                                 f"size {self.vocab_size} (the shards are damaged)")
+            at = start + int(np.argmax(out >= self.vocab_size))
+            raise TokenDataError(f"token id {int(out.max())} (near token {at:,} of the split) "
+                                 f"is not below the vocabulary size {self.vocab_size}: the "
+                                 f"shards are damaged; prepare the corpus again")
         return out
 
 

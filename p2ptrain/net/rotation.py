@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import math
 import time
 from pathlib import Path
 
+from p2ptrain.fsutil import atomic_write_bytes
 from p2ptrain.net.auth import derive_mac_key
 from p2ptrain.net.keyring import SAVE_EVERY, Keyring
 from p2ptrain.report import Reporter
@@ -28,20 +29,26 @@ GRACE_FILE = "key-grace.json"
 
 
 def read_used(path: Path, previous_id: str) -> float:
-    """Seconds of grace of the previous key `previous_id` used by earlier lives (0 if none)."""
+    """Seconds of grace of the previous key `previous_id` used by earlier lives: 0 if none
+    (no file, or one of another rotation); all of it (inf) if the file is damaged -- a
+    damaged count reopened the whole grace of a key rotated out to shut a member out."""
+    if not path.exists():
+        return 0.0
     try:
         doc = json.loads(path.read_bytes())
-        used = doc["used"] if doc["previous"] == previous_id else 0.0
+        if doc["previous"] != previous_id:
+            return 0.0
+        used = doc["used"]
     except (OSError, ValueError, KeyError, TypeError):
-        return 0.0
-    return float(used) if isinstance(used, int | float) and used >= 0 else 0.0
+        return math.inf
+    ok = isinstance(used, int | float) and not isinstance(used, bool) and used >= 0
+    return float(used) if ok else math.inf
 
 
 def write_used(path: Path, previous_id: str, used: float) -> None:
-    """Save the grace used (not fsynced: a power cut loses a few seconds of the count)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"previous": previous_id, "used": round(used, 1)}))
-    os.replace(tmp, path)
+    """Save the grace used, atomically and durably."""
+    atomic_write_bytes(path, json.dumps({"previous": previous_id,
+                                         "used": round(used, 1)}).encode())
 
 
 def keyring_of(swarm: Swarm, cfg: SwarmConfig, state_dir: Path, reporter: Reporter) -> Keyring:

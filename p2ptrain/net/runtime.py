@@ -353,12 +353,10 @@ class Runtime:
                                              self.signer.keys.accepts_swarm_id)
             self.handle(proto.Tick())
             self.fetcher.advertise_soon()  # what we hold from earlier runs
-            spawn = self.loop.create_task
-            tasks = [spawn(seed_loop(seeds, addr, found, warn, self.outbox.seeds)),
-                     spawn(every_second(self._check_reachability)),
-                     spawn(self.watch.sample_loop(self.status)),
-                     spawn(progress_loop(self.settings.log.every_seconds, self.status,
-                                         self.now, reporter))]
+            tasks = [self.loop.create_task(c) for c in (
+                seed_loop(seeds, addr, found, warn, self.outbox.seeds),
+                every_second(self._check_reachability), self.watch.sample_loop(self.status),
+                progress_loop(self.settings.log.every_seconds, self.status, self.now, reporter))]
             await self._stop.wait()
             for task in tasks:
                 task.cancel()
