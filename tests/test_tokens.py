@@ -106,6 +106,9 @@ def _corrupt(out: Path, edit) -> Path:
     (lambda m: m.update(vocab_size=70_000), "cannot hold the vocabulary"),
     (lambda m: m.update(format="x"), "not a p2ptrain-tokens/1 corpus"),
     (lambda m: m.update(train=[]), "must list its shards"),
+    (lambda m: m.update(vocab_size=65_536), "is not the tokenizer's 1200"),  # an 18M model
+    (lambda m: m.update(vocab_size=600), "is not the tokenizer's 1200"),
+    (lambda m: m.update(train=m["train"] + m["train"][:1]), "listed twice"),
 ])
 def test_hostile_meta_is_refused_with_the_reason(shakespeare, tmp_path, edit, message):
     import shutil

@@ -32,6 +32,7 @@ from p2ptrain.data.tokens import (
     TokenDataError,
     dtype_for,
     sha256_file,
+    vocab_of,
 )
 from p2ptrain.fsutil import atomic_write_bytes, fsync_dir, remove_orphans
 
@@ -181,9 +182,7 @@ def prepare(inputs: list[Path], tokenizer_path: Path, out: Path, holdout_fractio
     except Exception as exc:  # the library raises its own exception types
         raise TokenDataError(f"{tokenizer_path} is not a tokenizers document: "
                              f"{str(exc)[:120]}") from None
-    # the ids' range, not their count: a vocabulary with gaps has ids past its size
-    vocab = max(tokenizer.get_vocab_size(with_added_tokens=True),
-                max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
+    vocab = vocab_of(tokenizer.to_str())  # the ids' range, not their count
     dtype_name = dtype_for(vocab)
     files = input_files(inputs)
     total_bytes = sum(p.stat().st_size for p in files)

@@ -107,7 +107,7 @@ def _shards(root: Path, meta: dict, split: str, dtype: np.dtype, vocab: int) -> 
     listed = meta.get(split)
     if not isinstance(listed, list) or not listed or len(listed) > 100_000:
         raise TokenDataError(f"meta.json: `{split}` must list its shards")
-    maps = []
+    maps, seen = [], set()
     for entry in listed:
         if not isinstance(entry, dict) or set(entry) != {"file", "tokens"}:
             raise TokenDataError(f"meta.json: a {split} shard entry is malformed")
@@ -115,6 +115,9 @@ def _shards(root: Path, meta: dict, split: str, dtype: np.dtype, vocab: int) -> 
         if not isinstance(name, str) or not SHARD_RE.fullmatch(name) \
                 or not name.startswith(split):
             raise TokenDataError(f"meta.json: {str(name)[:60]!r} is not a {split} shard name")
+        if name in seen:  # it doubled the split's text
+            raise TokenDataError(f"meta.json: shard {name} is listed twice")
+        seen.add(name)
         path = root / name
         try:
             size = path.stat().st_size
@@ -128,6 +131,20 @@ def _shards(root: Path, meta: dict, split: str, dtype: np.dtype, vocab: int) -> 
     if not maps:
         raise TokenDataError(f"{root}: the {split} split is empty")
     return TokenShards(maps, vocab)
+
+
+def vocab_of(tokenizer_json: str, where: Path | str = "tokenizer.json") -> int:
+    """The number of ids a tokenizer can produce: its highest id + 1 (a vocabulary with gaps
+    has ids past its count of entries), added tokens included."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_str(tokenizer_json)
+    except Exception as exc:  # the library raises its own exception types
+        raise TokenDataError(f"{where}: tokenizer.json is not a tokenizers document: "
+                             f"{str(exc)[:120]}") from None
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
 
 def open_prepared(root: Path) -> Prepared:
@@ -156,7 +173,11 @@ def open_prepared(root: Path) -> Prepared:
     if meta.get("tokenizer_sha256") != digest:
         raise TokenDataError(f"{root}: tokenizer.json is not the one the shards were made with "
                              f"(its hash differs from meta.json's)")
+    text = tokenizer_bytes.decode("utf-8", "replace")
+    if vocab != vocab_of(text, root):  # it sizes the model: 65,536 made an 18M-param one
+        raise TokenDataError(f"meta.json: vocab_size {vocab} is not the tokenizer's "
+                             f"{vocab_of(text, root)}")
     dtype = DTYPES[dtype_name]
-    return Prepared(root, vocab, tokenizer_bytes.decode("utf-8", "replace"), digest[:16],
+    return Prepared(root, vocab, text, digest[:16],
                     _shards(root, meta, "train", dtype, vocab),
                     _shards(root, meta, "heldout", dtype, vocab))
