@@ -83,3 +83,16 @@ def test_only_seeds_and_addresses_that_once_answered_us_count():
         seeds_only.refused("seed:1", "no")
         t[0] += 1
     assert len(verdicts) == 2 and "seed:1" in verdicts[1]
+
+
+def test_refusals_of_an_older_incarnation_say_what_happened_and_what_to_do():
+    """A state directory restored from a backup starts an incarnation its peers saw before:
+    they refuse it as a replay, and the node said its swarm key was wrong."""
+    w = Watch()
+    w.w.refused("a:1", "replay: incarnation 1 is older than 41")
+    assert "restored from a backup" in w.warnings[0] and "write 42" in w.warnings[0]
+    while w.t < 20:
+        w.w.refused("a:1", "replay: incarnation 1 is older than 41")
+        w.t += 1
+    assert len(w.verdicts) == 1 and "write 42" in w.verdicts[0]
+    assert "swarm key is wrong" not in w.verdicts[0]

@@ -19,10 +19,25 @@ not take that for a verdict on its key and exit.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 MIN_REFUSALS = 3  # requests refused before a verdict, however short the window
 MAX_VOUCHED = 4096  # addresses remembered as having answered us (oldest forgotten first)
+
+
+_OLDER = re.compile(r"incarnation (\d+) is older than (\d+)")
+
+
+def _cause(reason: str) -> str:
+    """What a refusal most likely means, and what to do."""
+    older = _OLDER.search(reason)
+    if older is None:
+        return "is the swarm key right?"
+    return (f"the peers remember a later start of this node (incarnation {older.group(2)}, "
+            f"this one is {older.group(1)}): was its state directory restored from a backup? "
+            f"Stop it, write {int(older.group(2)) + 1} into the state directory's "
+            f"`incarnation` file, and start it again")
 
 
 class RefusalWatch:
@@ -67,8 +82,8 @@ class RefusalWatch:
         self.reason = reason
         if not self.warned:
             self.warned = True
-            self.warn(f"{addr} refuses this node's requests (HTTP 401: {reason}): is the "
-                      f"swarm key right?")
+            self.warn(f"{addr} refuses this node's requests (HTTP 401: {reason}): "
+                      f"{_cause(reason)}")
         self._judge()
 
     def failed(self, addr: str) -> None:
@@ -88,6 +103,11 @@ class RefusalWatch:
             return
         self.given = True
         who = ", ".join(sorted(self.refused_by))
+        if _OLDER.search(self.reason):
+            self.on_verdict(f"every peer refuses this node (HTTP 401 from {who} for "
+                            f"{waited:.0f}s): {_cause(self.reason)}; the last refusal: "
+                            f"{self.reason}")
+            return
         self.on_verdict(f"every peer refuses this node (HTTP 401 from {who} for {waited:.0f}s, "
                         f"{self.refusals} requests, none accepted): the swarm key is wrong -- "
                         f"check --token, --token-file or the config's key_file (or the peers "
