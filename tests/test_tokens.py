@@ -264,3 +264,18 @@ def test_ids_of_a_vocabulary_with_gaps_keep_their_values(tmp_path):
     assert meta["vocab_size"] == 65538 and meta["dtype"] == "uint32"
     prepared = open_prepared(tmp_path / "out")
     assert set(np.unique(prepared.train[0 : prepared.train.size])) == {0, 65537}
+
+
+def test_a_shard_truncated_during_a_run_is_an_error_not_a_crash(shakespeare, tmp_path):
+    """Shards were memory-mapped: one copied over (truncated) during a run killed the node
+    with SIGBUS, no message, no checkpoint."""
+    import shutil
+
+    out = Path(shutil.copytree(shakespeare[2], tmp_path / "c"))
+    shards = open_prepared(out).train
+    first = shards[0:64].copy()
+    with open(out / "train-00000.bin", "r+b") as f:
+        f.truncate(100)
+    assert np.array_equal(shards[0:50], first[:50])  # what is still there reads
+    with pytest.raises(TokenDataError, match="shorter than meta.json says"):
+        shards[0:64]

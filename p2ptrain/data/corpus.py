@@ -3,7 +3,7 @@
 Accepted sources: the built-in Tiny Shakespeare (no path), a text file, a directory of text
 files (read in sorted order, joined by a newline), a `.npy` array of byte tokens -- all
 byte-level: the vocabulary is the 256 byte values -- or a corpus made by `p2ptrain data
-prepare` (a directory with meta.json: token-id shards read through memmaps, its vocabulary
+prepare` (a directory with meta.json: token-id shards read a window at a time, its vocabulary
 and tokenizer from there; tokens.py). Every failure is a DataError with a one-line message
 naming the path and the problem.
 """

@@ -1,4 +1,4 @@
-"""A prepared corpus on disk: token-id shards read through `np.memmap`, and their meta.
+"""A prepared corpus on disk: token-id shards read a window at a time, and their meta.
 
     DIR/meta.json        {"format", "vocab_size", "dtype", "tokenizer_sha256", "tokens",
                           "holdout_fraction", "train": [shard, ...], "heldout": [...],
@@ -11,13 +11,14 @@
 than memory works: only the pages a window touches are read. Everything is hostile until
 checked: the meta's shape and types, shard names (plain file names in DIR), shard sizes
 against their token counts, the tokenizer's hash, and -- when a window is read -- no id at
-or above the vocabulary (checked per window, as a memmap is never read whole).
+or above the vocabulary (checked per window, as a shard is never read whole).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,11 +45,36 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+class Shard:
+    """One shard file of `size` ids, read a window at a time (pread). A memmap of a file
+    truncated or replaced under it -- a shard copied over during a run, a corpus on a USB
+    disk pulled out -- killed the process with SIGBUS; a short read is an error that says so."""
+
+    def __init__(self, path: Path, dtype: np.dtype, size: int):
+        self.path, self.dtype, self.size = path, dtype, size
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        lo, hi, _ = key.indices(self.size)
+        want = max(0, hi - lo) * self.dtype.itemsize
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, want, lo * self.dtype.itemsize)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise TokenDataError(f"shard {self.path}: {exc.strerror or exc}") from None
+        if len(data) != want:
+            raise TokenDataError(f"shard {self.path} is shorter than meta.json says (changed "
+                                 f"during the run?)")
+        return np.frombuffer(data, self.dtype)
+
+
 class TokenShards:
     """The concatenation of a split's shards, read lazily: `size`, and slices `[a:b]` (which
     may cross shard boundaries) as arrays, with every id checked against the vocabulary."""
 
-    def __init__(self, maps: list[np.ndarray], vocab_size: int):
+    def __init__(self, maps: list[Shard], vocab_size: int):
         self.maps, self.vocab_size = maps, vocab_size
         self.starts = np.cumsum([0] + [m.size for m in maps])
         self.size = int(self.starts[-1])
@@ -127,7 +153,7 @@ def _shards(root: Path, meta: dict, split: str, dtype: np.dtype, vocab: int) -> 
             raise TokenDataError(f"{root}: shard {name} has {size} bytes, meta.json says "
                                  f"{tokens} tokens of {dtype.itemsize} bytes (truncated?)")
         if tokens:
-            maps.append(np.memmap(path, dtype=dtype, mode="r", shape=(tokens,)))
+            maps.append(Shard(path, dtype, tokens))
     if not maps:
         raise TokenDataError(f"{root}: the {split} split is empty")
     return TokenShards(maps, vocab)
