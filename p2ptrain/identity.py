@@ -58,7 +58,13 @@ def load_or_create(state_dir: Path, bump_incarnation: bool = True) -> Identity:
         raise IdentityError(msg) from None
     key_path = state_dir / KEY_FILE
     if key_path.exists():
-        raw = key_path.read_bytes()
+        try:
+            with open(key_path, "rb") as f:  # 33 bytes at most: never a device read whole
+                raw = f.read(33)
+        except OSError as exc:  # e.g. a state dir made by `sudo p2ptrain join`, used without
+            hint = (" (made by another user, e.g. root? fix its owner, or use another "
+                    "--state-dir)" if isinstance(exc, PermissionError) else "")
+            raise IdentityError(f"cannot read {key_path}: {exc.strerror or exc}{hint}") from None
         if len(raw) != 32:
             raise IdentityError(f"{key_path} is not a 32-byte Ed25519 private key; move it away")
         private = Ed25519PrivateKey.from_private_bytes(raw)

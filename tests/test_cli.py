@@ -268,6 +268,11 @@ def test_token_files_with_a_byte_order_mark_or_not_text(tmp_path):
     assert "nothing listens" in r.stderr, r.stderr  # the token was read; no node there
     r = run_cli("checkpoint", "fetch", "--token-file", str(tmp_path / "bad"), *peer)
     assert r.returncode == 2 and "is not text" in r.stderr
+    (tmp_path / "empty").write_text("\n")  # an empty Docker secret: not the demo swarm
+    r = run_cli("join", "--token-file", str(tmp_path / "empty"), "--bind", "127.0.0.1",
+                "--state-dir", str(tmp_path / "st"), "--steps", "1", timeout=120,
+                env=cli_env(P2PTRAIN_ALONE="false", P2PTRAIN_NET_MDNS="false"))
+    assert r.returncode == 2 and "is empty" in r.stderr, r.stderr[-500:]
 
 
 def test_a_reader_that_leaves_early_is_no_traceback():
@@ -290,3 +295,26 @@ def test_a_model_too_big_for_memory_is_a_clear_error(tmp_path):
                        cwd=REPO, timeout=300)
     assert r.returncode == 1 and "out of memory" in r.stderr and "p2ptrain hw" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("temperature", ["nan", "-1"])
+def test_sample_refuses_a_temperature_that_is_no_finite_number(temperature):
+    r = run_cli("sample", "--temperature", temperature, "--length", "5")
+    assert r.returncode == 2 and "--temperature" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_port_in_use_or_a_port_in_bind_says_what_to_do(tmp_path):
+    import socket
+
+    from p2ptrain.net.neterrors import listen_error
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_cli("join", "--bind", "127.0.0.1", "--port", str(port), "--steps", "1",
+                    "--state-dir", str(tmp_path / "st"),
+                    env=cli_env(P2PTRAIN_ALONE="false", P2PTRAIN_NET_MDNS="false"))
+    assert r.returncode == 2 and "choose another --port" in r.stderr, r.stderr[-500:]
+    said = listen_error(OSError(99, "Cannot assign requested address"), "127.0.0.1:7100", 7100)
+    assert "the port is --port" in said

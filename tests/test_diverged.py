@@ -32,6 +32,7 @@ def test_a_diverged_alone_run_says_so_and_exits_1(tmp_path, lr):
     assert r.returncode == 1, r.stdout + r.stderr
     out = r.stdout + r.stderr
     assert "training diverged" in out and "--lr" in out and "Traceback" not in out
+    assert "RuntimeWarning" not in out  # numpy's a dozen lines each, before the one line
     assert newest_step(tmp_path / "s") <= 0  # nothing past the divergence
 
 
@@ -49,3 +50,15 @@ def test_a_diverged_swarm_node_says_so_exits_1_and_leaves_no_poisoned_checkpoint
         diverged_at = max(e.get("step", 0) for e in node.events()
                           if e.get("event") == "stopping")
         assert newest_step(node.state_dir) < max(diverged_at, 1)
+
+
+def test_a_duration_shorter_than_the_join_still_ends_the_run(tmp_path):
+    """--duration ran out while the node waited for its first peer (join_timeout 5 s here):
+    the first step was held, none ever ended to notice the limit, and the node sat idle."""
+    with SwarmLab(tmp_path / "lab") as lab:
+        (port,) = free_ports(1)
+        node = lab.start("a", port, [], "--duration", "2")
+        wait_for("the node to stop", lambda: node.popen.poll() is not None, 90)
+        out = node.output()
+        assert node.popen.returncode == 0, out[-2000:]
+        assert "--duration" in out and "stopping" in out

@@ -104,3 +104,12 @@ def test_an_incarnation_file_out_of_range_says_what_to_do(tmp_path):
         (tmp_path / "incarnation").write_text(text)
         with pytest.raises(IdentityError, match="identity.key to join as a new node"):
             load_or_create(tmp_path)
+
+
+def test_an_identity_key_that_cannot_be_read_is_one_line(tmp_path):
+    """A traceback (PermissionError) after `sudo p2ptrain join` once, then without sudo."""
+    from p2ptrain.identity import IdentityError
+
+    (tmp_path / "identity.key").mkdir()
+    with pytest.raises(IdentityError, match="cannot read .*identity.key"):
+        load_or_create(tmp_path)

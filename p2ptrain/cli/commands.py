@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -125,8 +126,8 @@ def cmd_sample(args) -> int:
 
     if args.length < 0:
         raise UserError("--length must be >= 0")
-    if args.temperature < 0:
-        raise UserError("--temperature must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # nan: a traceback
+        raise UserError("--temperature must be a finite number >= 0")
     path, manifest = resolve_checkpoint(Path(args.checkpoint).expanduser())
     model = model_of_checkpoint(path, manifest, args.base)
     params, meta = model_params(path, manifest, model)

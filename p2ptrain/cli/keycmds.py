@@ -24,6 +24,7 @@ from pathlib import Path
 from p2ptrain.errors import UserError
 
 _HEADER = re.compile(r"^\s*\[([^\[\]]*)\]\s*(#.*)?$")
+MAX_GRACE = 365 * 86400.0  # s: a grace longer than a year is a typo
 _KEY_LINE = re.compile(r"^\s*(previous_key_file|previous_key_grace)\s*=")
 
 
@@ -86,6 +87,10 @@ def cmd_key_rotate(args) -> int:
                         f"in a file (as `p2ptrain init` writes it) can be rotated")
     name = cfg["swarm.name"] or "swarm"
     key_path = key_path_of(cfg, "swarm.key_file", config_file)
+    grace = cfg["swarm.previous_key_grace"] if args.grace is None else args.grace
+    if not (math.isfinite(grace) and 0 <= grace <= MAX_GRACE):  # before saying anything
+        raise UserError(f"--grace {grace:g}: seconds, a finite number in 0..{MAX_GRACE:g} "
+                        f"(a year)")
     if cfg["swarm.previous_key_file"]:
         prev_text = cfg["swarm.previous_key_file"]
         print(f"note: the key before this one ({prev_text}) is dropped now: members that "
@@ -95,9 +100,6 @@ def cmd_key_rotate(args) -> int:
     prev_path = Path(prev_text).expanduser()
     if not prev_path.is_absolute():
         prev_path = config_path.parent / prev_path
-    grace = cfg["swarm.previous_key_grace"] if args.grace is None else args.grace
-    if not (math.isfinite(grace) and grace >= 0):  # inf was written, then refused by join
-        raise UserError(f"--grace {grace}: seconds, a finite number at least 0")
     text = config_path.read_text()
     new_text = set_swarm_lines(text, [
         f"previous_key_file = {json.dumps(prev_text)}  # secret: the key before the last "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from p2ptrain import __version__
 
@@ -209,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     from p2ptrain.cli import commands
 
+    # numpy's floating-point warnings (a run blowing up): a dozen source lines each before
+    # the one line that says what happened -- the divergence check reports it
+    warnings.filterwarnings("ignore", r"(overflow|invalid value|divide by zero|underflow) "
+                            r"encountered", RuntimeWarning)
     try:
         return commands.dispatch(args)
     except commands.USER_ERRORS as exc:
@@ -218,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         print("p2ptrain: interrupted", file=sys.stderr)
         return 130
     except MemoryError as exc:  # numpy's too-big allocation says how much it wanted
-        print(f"p2ptrain: error: out of memory ({exc or 'an allocation failed'}); `p2ptrain hw` "
-              f"shows the largest model this machine holds: choose a smaller model, --batch "
-              f"or train.accum", file=sys.stderr)
+        print(f"p2ptrain: error: out of memory ({str(exc) or 'an allocation failed'}); "
+              f"`p2ptrain hw` shows the largest model this machine holds: choose a smaller "
+              f"model, --batch or train.accum", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `p2ptrain config show | head`: the reader left, as for `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error

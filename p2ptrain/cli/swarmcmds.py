@@ -83,6 +83,9 @@ def _current_swarm(cfg: Config, config_file: str | None) -> Swarm:
         except UnicodeDecodeError:
             raise SwarmError(f"token file {path} is not text: it should hold the line "
                              f"`p2ptrain init` printed") from None
+        if not token:  # an empty secret must not put the node on the LAN's open demo swarm
+            raise SwarmError(f"token file {path} is empty: it should hold the line "
+                             f"`p2ptrain init` printed")
     if token:
         return parse_token(token)
     if cfg["swarm.key_file"]:

@@ -36,3 +36,13 @@ def explain(exc: BaseException, where: str) -> str:
         return f"{where} reset the connection"
     text = str(exc).strip()
     return f"{type(exc).__name__} talking to {where}" + (f": {text}" if text else "")
+
+
+def listen_error(exc: OSError, bind: str, port: int) -> str:
+    """One line for a server that cannot listen on bind:port, with what to do."""
+    hint = ""
+    if exc.errno == errno.EADDRINUSE:
+        hint = "; another node or program uses it: choose another --port"
+    elif bind.count(":") == 1:  # "127.0.0.1:7100" (an IPv6 address has several)
+        hint = "; --bind takes an address alone (the port is --port)"
+    return f"cannot listen on {bind}:{port}: {exc.strerror or exc}{hint}"

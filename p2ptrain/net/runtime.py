@@ -197,6 +197,8 @@ class Runtime:
             self._become_outbound_only()
             return
         bound = self.plan.stop_reason(self.now(), self.learner.step)  # --steps is exact
+        if bound:  # (--duration can run out while joining: no step ends to notice it)
+            self.request_stop(bound)
         self.steps.start(step, hold=self._stop.is_set() or bound is not None)
 
     def _joined(self, why: str) -> None:
@@ -239,8 +241,7 @@ class Runtime:
                         read_term(self.state_dir / TERM_FILE), self.resumed_term))
 
     def _check_reachability(self) -> None:
-        """Once a second: peers never reach us although we reach them -> outbound-only at
-        the next step boundary."""
+        """Once a second: peers never reach us, we reach them -> outbound-only next step."""
         if self.outbound_only or self._stop.is_set() or not self.reach.unreachable(
                 self.now(), self.inbound, self.outbox.stats.get("sent", 0)):
             return

@@ -53,6 +53,7 @@ from p2ptrain.net import baseserve, ckptserve, dashboard, metrics
 from p2ptrain.net.auth import AuthError, Pending, ServerAuth, VersionError
 from p2ptrain.net.gate import GATE, ConnLimits, GatedSite, quiet_logs, track_requests
 from p2ptrain.net.hello import add_hello_route
+from p2ptrain.net.neterrors import listen_error
 from p2ptrain.net.pacing import TokenBucket, paced
 from p2ptrain.net.routes import MAX_REPLY, ROUTES, MiB
 from p2ptrain.net.shelf import Shelf
@@ -384,9 +385,8 @@ def build_app(served: Served, shelf: Shelf, bases: dict[str, Path] | None = None
 
 
 async def listen(runner: web.AppRunner, bind: str, port: int) -> int:
-    """Start serving on bind:port (0: any free port) behind the connection gate; the port
-    bound. A busy or forbidden address is a UserError naming it. Also rate-limits the log
-    records of asyncio and aiohttp (gate.quiet_logs)."""
+    """Serve on bind:port (0: any free port) behind the connection gate; the port bound. A
+    busy or bad address is a UserError saying what to do. Rate-limits asyncio's logs too."""
     app = runner.app
     served = app[SERVED]
     quiet_logs()
@@ -394,7 +394,7 @@ async def listen(runner: web.AppRunner, bind: str, port: int) -> int:
     try:
         await site.start()
     except OSError as exc:
-        raise UserError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}") from None
+        raise UserError(listen_error(exc, bind, port)) from None
     assert site.gate is not None
     app[GATE].append(site.gate)
     return runner.addresses[0][1]
