@@ -122,6 +122,9 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
         model=model.name, params=model.space.n_params, batch=batch)
     if not alone:
         reporter.info(averaging_text(settings, model), event="averaging_plan")
+        if not settings.net.mdns and not settings.net.seeds():
+            reporter.warn("mDNS is off and no --peer is given: this node finds no peer itself "
+                          "(it trains alone until one names it)", event="no_discovery")
     if train.ema > 0:
         reporter.info(f"checkpoints carry an average of the weights over about the last "
                       f"{1 / (1 - train.ema):,.0f} steps (train.ema = {train.ema:g}), "

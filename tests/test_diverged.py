@@ -62,3 +62,4 @@ def test_a_duration_shorter_than_the_join_still_ends_the_run(tmp_path):
         out = node.output()
         assert node.popen.returncode == 0, out[-2000:]
         assert "--duration" in out and "stopping" in out
+        assert "finds no peer itself" in out  # mDNS off, no --peer: said at the start
