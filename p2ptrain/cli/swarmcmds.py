@@ -330,7 +330,8 @@ def cmd_fetch(args, flags: dict) -> int:
 
     async def run():
         async with aiohttp.ClientSession() as session:
-            async for addr in _candidates(swarm, peers, args.timeout, mdns=cfg["net.mdns"]):
+            async for addr in _candidates(swarm, peers, args.timeout, rounds=True,
+                                          mdns=cfg["net.mdns"]):  # --peer: until --timeout
                 try:
                     doc = await _get_json(session, f"http://{addr}/v1/status")
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
