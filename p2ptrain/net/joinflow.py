@@ -151,7 +151,6 @@ class JoinFetcher:
                 task.cancel()
 
 
-
 def clean_fetched(root: Path) -> None:
     """Drop from `root` partial downloads, checkpoints a killed fetch set aside while it
     replaced them, and all but the newest checkpoint."""
