@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -30,7 +29,13 @@ from pathlib import Path
 import numpy as np
 
 from p2ptrain import __version__
-from p2ptrain.fsutil import atomic_write_bytes, describe_os_error
+from p2ptrain.fsutil import (
+    NotRegularFile,
+    TooLarge,
+    atomic_write_bytes,
+    describe_os_error,
+    read_regular,
+)
 from p2ptrain.hw import (
     MATMUL_SIZE,
     Hardware,
@@ -230,24 +235,13 @@ def read(path: Path) -> bytes | None:
     """The file's bytes (None when absent): a regular file of at most MAX_FILE_BYTES, opened
     without blocking (a FIFO planted there cannot hang the start)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        return read_regular(path, MAX_FILE_BYTES)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise CalibrationError(f"cannot open it: {describe_os_error(exc)}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CalibrationError("not a regular file")
-        data = b""
-        while len(data) <= MAX_FILE_BYTES and (block := os.read(fd, MAX_FILE_BYTES + 1)):
-            data += block
-    except OSError as exc:
         raise CalibrationError(f"cannot read it: {describe_os_error(exc)}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_FILE_BYTES:
-        raise CalibrationError(f"larger than {MAX_FILE_BYTES} bytes")
-    return data
+    except (NotRegularFile, TooLarge) as exc:
+        raise CalibrationError(str(exc)) from None
 
 
 def measure_now() -> MatmulTiming:

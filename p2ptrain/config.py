@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.fsutil import NotRegularFile, TooLarge, read_regular
 from p2ptrain.learner import LORA_EMA
 from p2ptrain.models import MODELS, presets
 from p2ptrain.options import option_meta
@@ -222,21 +222,15 @@ def read_file(path: Path) -> dict[str, Any]:
     of UTF-8 TOML up to 1 MiB -- a FIFO hung the start, /dev/zero ran out of memory, Latin-1
     bytes and a nesting 5,000 deep were tracebacks."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ConfigError(f"config file {path} is not a regular file")
-            with os.fdopen(os.dup(fd), "rb") as f:
-                data = f.read(MAX_CONFIG_BYTES + 1)
-        finally:
-            os.close(fd)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"config file {path} is larger than 1 MiB: not a config file?")
-        table = tomllib.loads(data.decode("utf-8"))
+        table = tomllib.loads(read_regular(path, MAX_CONFIG_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    except NotRegularFile:
+        raise ConfigError(f"config file {path} is not a regular file") from None
+    except TooLarge:
+        raise ConfigError(f"config file {path} is larger than 1 MiB: not a config file?") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
     except (tomllib.TOMLDecodeError, RecursionError) as exc:

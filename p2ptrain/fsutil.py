@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 
 
@@ -63,6 +64,33 @@ def write_small(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class NotRegularFile(ValueError):
+    """A path that must be a regular file is a FIFO, a device, a directory..."""
+
+
+class TooLarge(ValueError):
+    """A file is larger than its reader takes."""
+
+
+def read_regular(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of `path`, which must be a regular file of at most `limit` bytes, opened
+    without blocking (a FIFO planted there cannot hang the caller; /dev/zero is refused, not
+    read until memory runs out). OSError as opening and reading raise it (FileNotFoundError
+    when absent); NotRegularFile or TooLarge (ValueErrors) otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile("not a regular file")
+        data = b""
+        while len(data) <= limit and (block := os.read(fd, limit + 1)):
+            data += block
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise TooLarge(f"larger than {limit} bytes")
+    return data
 
 
 def describe_os_error(exc: OSError) -> str:

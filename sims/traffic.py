@@ -135,13 +135,12 @@ class GossipTraffic:
                                                             base.subset_fraction)))
         self.average_bytes = vector_bytes(plan.codec(), plan.capacity) + HEADER_BYTES
         self.average_every = int(p.get("average_every", base.average_every))
-        fast = dataclasses.replace(base, average_every_fast=int(p.get(
-            "average_every_fast", base.average_every_fast)), average_fast_share=float(p.get(
-            "average_fast_share", base.average_fast_share)), average_every=self.average_every)
-        speeds = [world.compute_seconds(m) / m.batch for m in world.members]
+        fast = dataclasses.replace(base, average_fast_share=float(p.get(
+            "average_fast_share", base.average_fast_share)))  # its rule, `fast_core`
+        speeds = [world.compute_seconds(m) / m.batch for m in world.members]  # s a sample
         fastest = sum(s <= min(speeds) * 1.0001 for s in speeds)
-        if fast.fast_averaging_due(fast.average_every_fast) and fast.fast_core(fastest,
-                                                                               len(speeds)):
+        every_fast = int(p.get("average_every_fast", base.average_every_fast))
+        if self.average_every and every_fast and fast.fast_core(fastest, len(speeds)):
             raise ValueError("traffic gossip: this fleet has a fast core (its fastest "
                              f"{fastest} of {len(speeds)} machines) whose every-step "
                              "averaging traffic mode does not model; set "

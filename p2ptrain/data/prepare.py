@@ -80,9 +80,8 @@ def _blocks(path: Path, invalid: list[int] | None = None) -> Iterator[str]:
             cut = block.rfind(b"\n") + 1
             if cut == 0 and len(block) >= BLOCK_BYTES:
                 cut = max(block.rfind(b" "), block.rfind(b"\r"), block.rfind(b"\t")) + 1
-                if cut == 0:  # no space either: before the last UTF-8 lead byte
-                    cut = next((i for i in range(len(block) - 1, max(-1, len(block) - 5), -1)
-                                if block[i] & 0xC0 != 0x80), len(block)) or len(block)
+                if cut == 0:  # no space either: between two characters
+                    cut = _last_char_start(block) or len(block)
             if cut == 0:
                 rest = block
                 continue
@@ -90,6 +89,15 @@ def _blocks(path: Path, invalid: list[int] | None = None) -> Iterator[str]:
             yield _decode(block[:cut], invalid)
         if rest:
             yield _decode(rest, invalid)
+
+
+def _last_char_start(data: bytes) -> int:
+    """Where the last (maybe incomplete) UTF-8 character of `data` starts: back over at most
+    three continuation bytes (0b10xxxxxx)."""
+    i = len(data) - 1
+    while i > 0 and len(data) - i < 4 and data[i] & 0xC0 == 0x80:
+        i -= 1
+    return i
 
 
 def _decode(data: bytes, invalid: list[int] | None) -> str:
@@ -182,7 +190,7 @@ def prepare(inputs: list[Path], tokenizer_path: Path, out: Path, holdout_fractio
     except Exception as exc:  # the library raises its own exception types
         raise TokenDataError(f"{tokenizer_path} is not a tokenizers document: "
                              f"{str(exc)[:120]}") from None
-    vocab = vocab_of(tokenizer.to_str())  # the ids' range, not their count
+    vocab = vocab_of(tokenizer)  # the ids' range, not their count
     dtype_name = dtype_for(vocab)
     files = input_files(inputs)
     total_bytes = sum(p.stat().st_size for p in files)

@@ -22,6 +22,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -159,18 +160,21 @@ def _shards(root: Path, meta: dict, split: str, dtype: np.dtype, vocab: int) -> 
     return TokenShards(maps, vocab)
 
 
-def vocab_of(tokenizer_json: str, where: Path | str = "tokenizer.json") -> int:
-    """The number of ids a tokenizer can produce: its highest id + 1 (a vocabulary with gaps
-    has ids past its count of entries), added tokens included."""
+def vocab_of(tokenizer: Any) -> int:
+    """The number of ids a `tokenizers.Tokenizer` can produce: its highest id + 1 (a
+    vocabulary with gaps has ids past its count of entries), added tokens included."""
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
+
+
+def _tokenizer_vocab(tokenizer_json: str, root: Path) -> int:
     from tokenizers import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_str(tokenizer_json)
+        return vocab_of(Tokenizer.from_str(tokenizer_json))
     except Exception as exc:  # the library raises its own exception types
-        raise TokenDataError(f"{where}: tokenizer.json is not a tokenizers document: "
+        raise TokenDataError(f"{root}: tokenizer.json is not a tokenizers document: "
                              f"{str(exc)[:120]}") from None
-    ids = tokenizer.get_vocab(with_added_tokens=True).values()
-    return max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
 
 def open_prepared(root: Path) -> Prepared:
@@ -200,9 +204,9 @@ def open_prepared(root: Path) -> Prepared:
         raise TokenDataError(f"{root}: tokenizer.json is not the one the shards were made with "
                              f"(its hash differs from meta.json's)")
     text = tokenizer_bytes.decode("utf-8", "replace")
-    if vocab != vocab_of(text, root):  # it sizes the model: 65,536 made an 18M-param one
-        raise TokenDataError(f"meta.json: vocab_size {vocab} is not the tokenizer's "
-                             f"{vocab_of(text, root)}")
+    ids = _tokenizer_vocab(text, root)
+    if vocab != ids:  # it sizes the model: 65,536 made an 18M-parameter one
+        raise TokenDataError(f"meta.json: vocab_size {vocab} is not the tokenizer's {ids}")
     dtype = DTYPES[dtype_name]
     return Prepared(root, vocab, text, digest[:16],
                     _shards(root, meta, "train", dtype, vocab),
