@@ -100,6 +100,28 @@ class Proc:
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
+    def describe(self) -> str:
+        """A few lines on this node for a failed test's output: its status (if it answers),
+        its evals, and its last warnings and errors."""
+        lines = [f"--- node at {self.addr} ({self.log.name}), exit code {self.popen.poll()}"]
+        try:
+            doc = self.status()
+            members = {m["node_id"][:8]: (m["state"], m.get("gradients_used"))
+                       for m in doc.get("members", [])}
+            lines.append(f"status: {json.dumps({k: v for k, v in doc.items() if k != 'members'})}"
+                         [:2000])
+            lines.append(f"members (state, gradients used): {members}")
+        except (OSError, ValueError, KeyError) as exc:
+            lines.append(f"no status: {exc}")
+        events = self.events()
+        evals = [e.get("eval_loss") for e in events if e.get("event") == "eval"]
+        lines.append(f"{len(evals)} evals: first {evals[:3]}, last {evals[-3:]}")
+        lines += [json.dumps(e)[:400] for e in events
+                  if e.get("level") in ("warning", "error")][-8:]
+        plain = [line for line in self.output().splitlines() if not line.startswith("{")]
+        lines += plain[-8:]  # tracebacks and anything else not an event
+        return "\n".join(lines)
+
     def events(self) -> list[dict]:
         out = []
         for line in self.output().splitlines():
@@ -177,5 +199,8 @@ class SwarmLab:
     def __enter__(self) -> SwarmLab:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *rest) -> None:
+        if exc_type is not None:  # a failed test: what each node was doing, in its output
+            for proc in self.procs:
+                print(proc.describe())
         self.close()
