@@ -7,7 +7,10 @@ held-out split and checkpoints on intervals (a write that fails, e.g. on a full 
 warning: training goes on and the next interval retries), and on SIGINT/SIGTERM stops after
 the step in flight, writes its resume state if that fits in the grace period, and returns 0.
 A second signal exits at once. A run that diverges (a non-finite gradient or held-out loss)
-stops at once, writes nothing more and returns 1. The networked node is p2ptrain.net.runtime.
+stops at once, writes nothing more and returns 1. So does a run whose final checkpoint cannot
+be written (a full disk at the end): what it trained since its last checkpoint is lost, and a
+script that goes on to use the checkpoint must not take the older one for it. The networked
+node is p2ptrain.net.runtime.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
     last_progress, saves, eval_loss, saved_any = start, 0, None, False
     tokens, window_start = 0, start
 
-    def save(final: bool = False) -> None:
+    def save(final: bool = False) -> bool:
         nonlocal saves, saved_any
         saves += 1
         t0 = time.monotonic()
@@ -61,12 +64,13 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
             reporter.warn(f"checkpoint not written: {describe_os_error(exc)}"
                           + ("" if final else "; training goes on, the next interval retries"),
                           event="checkpoint_failed", step=learner.step, final=final)
-            return
+            return False
         plan.save_finished(time.monotonic() - t0)
         saved_any = True
         reporter.info(f"checkpoint {path.name} written in {plan.save_seconds:.2f}s"
                       + (" (final)" if final else ""), event="checkpoint", path=str(path),
                       step=learner.step, final=final)
+        return True
 
     def evaluate(now: float) -> float:
         loss = learner.evaluate()
@@ -75,7 +79,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
         reporter.evaluated(learner.step, loss, average, now - start)
         return loss
 
-    reason, diverged = "stopped", ""
+    reason, diverged, lost = "stopped", "", False
     try:
         if plan.eval_every > 0 and learner.step == 0:
             eval_loss = learner.evaluate()
@@ -117,15 +121,20 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
         elif stop["signal"]:
             # Stopping on a signal: write the resume state if it fits in the grace period.
             if plan.final_save_fits(time.monotonic(), stop["at"], learner.step):
-                save(final=True)
+                lost = not save(final=True)
             elif learner.step > plan.first_step:
                 reporter.warn("no time left in the grace period; keeping the last checkpoint")
         else:
             eval_loss = evaluate(time.monotonic())
             if learner.step > plan.first_step:
-                save(final=True)
+                lost = not save(final=True)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
     reporter.stopped(reason, learner.step, learner.samples, eval_loss)
-    return 1 if diverged else 0
+    if lost:
+        newest = checkpoint.list_checkpoints(node.ckroot)
+        reporter.error("the final checkpoint was not written (see the warning above): the "
+                       f"steps since {newest[0].name if newest else 'the start'} are lost",
+                       event="final_checkpoint_lost", step=learner.step)
+    return 1 if diverged or lost else 0

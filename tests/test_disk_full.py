@@ -3,7 +3,8 @@ a failure under CI=true), filled to the last byte, holding the node's state dire
 
 A node that starts there (networked, alone in its swarm, so it becomes the leader; or the
 alone loop) says "no space left" in one line per failed write -- no traceback -- keeps
-stepping, retries, and writes its checkpoint once space is freed. A node with no identity
+stepping, retries, and writes its checkpoint once space is freed (the alone loop whose final
+checkpoint cannot be written exits 1). A node with no identity
 yet cannot make one there and exits 2 with one line."""
 
 from __future__ import annotations
@@ -124,8 +125,10 @@ def test_the_alone_loop_on_a_full_disk_keeps_training(tmp_path, small_disk):
                                             if not k.startswith("P2PTRAIN_")},
                                          "OPENBLAS_NUM_THREADS": "1"})
     _no_traceback(r.stdout + r.stderr)
-    assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stderr.strip().splitlines()
     assert lines and all(line.startswith("{") for line in lines), lines
     assert any("no space left" in line.lower() for line in lines)
     assert '"step": 40' in r.stdout.splitlines()[-1]
+    # all 40 steps trained, none saved: the exit says so, not 0
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert '"event": "final_checkpoint_lost"' in lines[-1] and "start" in lines[-1], lines[-1]
