@@ -161,3 +161,21 @@ def test_a_crash_while_one_checkpoint_replaces_another_of_its_name_loses_neither
     stale = checkpoint.stale_temporaries(root)  # what the next start does first
     assert first.exists() and not any(p.name.startswith(".old-") for p in stale)
     assert checkpoint.find_latest(root, "fp1").path == first
+
+
+def test_checkpoint_fetch_says_how_far_the_fetched_checkpoint_trained(setup):
+    """`checkpoint fetch` names the step and samples it got, and warns when that is nothing:
+    a leader's first checkpoint can be of the starting weights."""
+    from p2ptrain.cli.swarmcmds import describe_fetched
+
+    space, params, ident, root = setup
+    fresh = checkpoint.read_manifest(checkpoint.save(root, make_snapshot(space, params, 0),
+                                                     ident, keep=3))
+    trained = checkpoint.read_manifest(checkpoint.save(root, make_snapshot(space, params, 300),
+                                                       ident, keep=3))
+    said = describe_fetched(fresh)
+    assert said[0].startswith("checkpoint at step 0: 0 samples")
+    assert len(said) == 2 and said[1].startswith("warning:") and "nothing trained" in said[1]
+    said = describe_fetched(trained)
+    assert said == [f"checkpoint at step 300: 3.0k samples trained by the swarm (leader "
+                    f"{ident.node_id[:12]}, term 0)"]

@@ -70,6 +70,7 @@ def test_four_nodes_train_checkpoint_fail_over_and_rejoin(tmp_path):
         got = out / r.stdout.strip().splitlines()[-1].rsplit("/", 1)[-1]
         manifest = checkpoint.read_manifest(got)
         assert manifest.leader == leader
+        assert f"checkpoint at step {manifest.step}: " in r.stderr, r.stderr
         original = lead.state_dir / "checkpoints" / got.name
         if original.exists():  # not yet pruned by the leader's keep-K
             assert manifest == checkpoint.read_manifest(original)

@@ -370,5 +370,18 @@ def cmd_fetch(args, flags: dict) -> int:
     served = ", ".join(f"{a} {n}" for a, n in fetched.served.items() if n)
     if served:
         say(f"chunks served by: {served}")
+    for line in describe_fetched(fetched.manifest):
+        say(line)
     print(fetched.path)
     return 0
+
+
+def describe_fetched(manifest) -> list[str]:
+    """What a fetched checkpoint holds, for the user: how far the swarm had trained, and a
+    warning when that is nothing (a leader's first checkpoint can be of the starting weights)."""
+    lines = [f"checkpoint at step {manifest.step}: {human_count(manifest.swarm_samples)} "
+             f"samples trained by the swarm (leader {manifest.leader[:12]}, term {manifest.term})"]
+    if manifest.swarm_samples == 0:
+        lines.append("warning: it holds the swarm's starting weights -- nothing trained yet; "
+                     "fetch again once the swarm has trained")
+    return lines
