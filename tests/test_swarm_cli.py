@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 import pytest
@@ -51,9 +52,18 @@ def test_join_with_inits_config_and_status_shows_the_swarm(tmp_path):
         b = lab.start("b", ports[1], [a.addr], "--config", str(config), config=False, env=env)
         wait_for("both to train together", lambda: all(
             p.status()["step"] > 5 and len(p.status()["members"]) == 1 for p in (a, b)), 90)
+        wait_for("a leader both follow", lambda: a.status()["leader"] and
+                 a.status()["leader"] == b.status()["leader"], 60)
         r = run_cli("status", "--peer", a.addr, env=cli_env())
         assert r.returncode == 0, r.stderr
         assert "swarm 'fleet'" in r.stdout and b.status()["node_id"][:12] in r.stdout
+        # one row a node: this one starred, the leader marked, every class and loss shown
+        rows = [re.match(r"([0-9a-f]{12})(\*?)( L)?\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)",
+                         line) for line in r.stdout.splitlines()[1:]]
+        rows = [m.groups() for m in rows if m]
+        assert len(rows) == 2 and [row[1] for row in rows] == ["*", ""], r.stdout
+        assert sum(row[2] == " L" for row in rows) == 1, r.stdout
+        assert all(row[4] != "-" and float(row[7]) > 0 for row in rows), r.stdout
         doc = json.loads(run_cli("status", "--peer", a.addr, "--json").stdout)
         assert doc["swarm"] == "fleet" and doc["members"][0]["node_id"] == \
             b.status()["node_id"]

@@ -255,7 +255,8 @@ def cmd_status(args) -> int:
                 if holds else "holds no checkpoint")
         print(f"{what} | served {human_count(served)}B of checkpoints")
     head = ("node", "address", "class", "state", "step", "loss", "samples", "in", "out", "rtt")
-    rows = [(doc["node_id"][:12] + "*", doc.get("addr") or "-", "-", doc.get("phase"),
+    rows = [(doc["node_id"][:12] + "*" + (" L" if doc["node_id"] == leader else ""),
+             doc.get("addr") or "-", doc.get("device_class"), doc.get("phase"),
              doc.get("step"), doc.get("loss"), doc.get("samples"), doc.get("bytes_in"),
              doc.get("bytes_out"), None)]
     for m in doc.get("members", []):

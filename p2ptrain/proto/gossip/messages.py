@@ -16,7 +16,9 @@ messages (`p2ptrain.codecs` wire format: each chunk has its own header and check
   exchange (a big model's exchange travels as several parts of a few MB, one after the
   other, each averaged on its own, so no side ever holds a second copy of the model), each
   with the sender's whole G-counter (averaging is rare, so the full counter is cheap
-  there; gradient pushes carry only the header's own entry). A reply with no chunks declines.
+  there; gradient pushes carry only the header's own entry) and its latest training loss
+  (for status, and the swarm's loss a joiner judges a checkpoint by, when no gradients
+  travel). A reply with no chunks declines.
 
 `check()` refuses what no honest peer sends (negative counters, malformed counter keys, too
 many chunks); whether the chunks decode, match this node's model and come from the header's
@@ -52,10 +54,10 @@ def _check_part(part: int, parts: int) -> None:
         raise ValueError(f"part {part} of {parts}: need part < parts <= {MAX_PARTS}")
 
 
-def _check_progress(step: int, loss: float) -> None:
+def _check_progress(step: int, loss: float | None) -> None:
     check_count(step, "step")
-    if not 0.0 <= loss < math.inf:  # the wire refuses NaN and inf; a body built here too
-        raise ValueError("loss must be finite and >= 0")
+    if loss is not None and not 0.0 <= loss < math.inf:  # the wire refuses NaN and inf; a
+        raise ValueError("loss must be finite and >= 0")  # body built here too
 
 
 @register(32)
@@ -96,10 +98,11 @@ class AverageRequest(Body):
     chunks: tuple[bytes, ...]  # the part's snapshot as codec chunk messages, in index order
     part: int = 0  # which part of the exchange (each part is averaged on its own)
     parts: int = 1  # how many parts the exchange has
+    loss: float | None = None  # initiator's latest training loss (None before its first step)
 
     def check(self) -> None:
         check_count(self.seed, "seed")
-        check_count(self.step, "step")
+        _check_progress(self.step, self.loss)
         _check_counts(self.counts)
         _check_part(self.part, self.parts)
         if not 1 <= len(self.chunks) <= MAX_CHUNKS:
@@ -118,10 +121,11 @@ class AverageReply(Body):
     chunks: tuple[bytes, ...]
     part: int = 0
     parts: int = 1
+    loss: float | None = None
 
     def check(self) -> None:
         check_count(self.seed, "seed")
-        check_count(self.step, "step")
+        _check_progress(self.step, self.loss)
         _check_counts(self.counts)
         _check_part(self.part, self.parts)
         if len(self.chunks) > MAX_CHUNKS:

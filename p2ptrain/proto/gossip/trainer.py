@@ -91,13 +91,10 @@ class GossipTrainer:
 
     def __init__(self, config: GossipConfig, learner: Learner, rng: np.random.Generator, *,
                  average_timeout: float, chunk_elems: int):  # NodeConfig holds the defaults
-        n = int(learner.params.shape[0])
-        self.config = config
-        self.learner = learner
-        self.node_id = learner.node_id
+        self.n = n = int(learner.params.shape[0])
+        self.config, self.learner, self.node_id = config, learner, learner.node_id
         self.sender = bytes.fromhex(learner.node_id)  # raw id in codec chunk headers
         self.rng, self.average_timeout, self.chunk_elems = rng, average_timeout, chunk_elems
-        self.n = n
         self.outer = (OuterOptimizer(config, n, int(rng.integers(0, 2**62)), learner.outer_saved)
                       if config.outer_every > 0 else None)
         if self.outer is not None:  # outer steps share progress; no per-step pushes
@@ -122,6 +119,7 @@ class GossipTrainer:
         self.latest: tuple[int, float, list[bytes]] | None = None  # own last gradient sent
         self.served: dict[str, int] = {}  # outbound-only peer -> own step last returned to it
         self.peer_progress: dict[str, tuple[int, float | None]] = {}  # last (step, loss) heard
+        self.loss: float | None = None  # the own latest training loss (averaging bodies carry it)
         self.distance: float | None = None  # consensus distance of the last exchange (RMS)
         self.last_mix: MixReport | None = None
         self.stats: Counter[str] = Counter()
@@ -223,12 +221,13 @@ class GossipTrainer:
             if isinstance(body, GradientPush) and outbound_sender:
                 self._serve_latest(sender, addr, out)
         elif isinstance(body, AverageRequest):
-            _, loss = self.peer_progress.get(sender, (0, None))
-            self.peer_progress[sender] = (body.step, loss)
+            self.peer_progress[sender] = (body.step, body.loss)
             if not decline:  # a joiner's counters move only with the replica it adopts
                 learner.count.merge(counts)
             self._respond(sender, addr, body, parsed, busy, decline, out)
         elif isinstance(body, AverageReply):
+            if body.loss is not None:  # (not a refusal, which carries none)
+                self.peer_progress[sender] = (body.step, body.loss)
             learner.count.merge(counts)
             ex = self.exchange
             if (ex is None or ex.peer != sender or ex.seed != body.seed
@@ -275,7 +274,7 @@ class GossipTrainer:
                                                                      learner.count.total))
         out.append(Out(sender, addr, AverageReply(body.seed, learner.step,
                                                   learner.count.as_dict(), chunks,
-                                                  body.part, body.parts), reply=True))
+                                                  body.part, body.parts, self.loss), reply=True))
         if decline:
             self.stats["average_declined_by_us"] += 1
             return
@@ -329,7 +328,7 @@ class GossipTrainer:
         """Push, mix and apply the gradient in `learner.grad` (finite, from the batch whose
         mean loss is `loss`); then open an averaging exchange if one is due. `targets` and
         `partners` are (node id, addr) of the peers eligible for pushes and for averaging."""
-        learner, cfg = self.learner, self.config
+        learner, cfg, self.loss = self.learner, self.config, loss
         swarm = learner.count.total
         step = learner.step + 1
         if self.outer is not None:
@@ -410,7 +409,7 @@ class GossipTrainer:
         self.stats["average_parts_sent"] += 1
         self.stats["average_bytes_sent"] += self.exchange.sent
         out.append(Out(peer, addr, AverageRequest(seed, learner.step, learner.count.as_dict(),
-                                                  chunks, part, parts)))
+                                                  chunks, part, parts, self.loss)))
 
     # -- timers -------------------------------------------------------------------------------
 
