@@ -46,15 +46,23 @@ def test_four_nodes_train_checkpoint_fail_over_and_rejoin(tmp_path):
                               _leaders(nodes)), 60)
         assert sum(p.status()["is_leader"] for p in nodes) == 1
 
-        def trained_together(p) -> bool:
+        def trained_together(p, fresh: float) -> bool:
             doc = p.status()
             used = [m["gradients_used"] for m in doc["members"]]
             evals = _evals(p)
             return (sum(1 for u in used if u > 0) >= 2 and len(evals) >= 3
-                    and evals[-1] < evals[0])
+                    and evals[-1] < fresh)
+
+        def all_trained_together() -> bool:
+            # below the fresh weights' loss (every node starts from the same ones): a node
+            # that started late evaluates first after adopting the swarm's checkpoint, on the
+            # plateau, and need not get below that first figure soon
+            firsts = [e[0] for e in map(_evals, nodes) if e]
+            fresh = max(firsts) if len(firsts) == len(nodes) else 0.0
+            return all(trained_together(p, fresh - 0.5) for p in nodes)
 
         wait_for("every node to use gradients of 2+ peers and improve its held-out loss",
-                 lambda: all(trained_together(p) for p in nodes), 120)
+                 all_trained_together, 120)
         lead = nodes[ids.index(leader)]
         served = wait_for("a checkpoint signed by the leader",
                           lambda: [c for c in checkpoint.list_checkpoints(
