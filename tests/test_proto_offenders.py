@@ -3,13 +3,15 @@ item 13): in the in-memory training cluster, virtual time."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from p2ptrain.proto import wire
 from p2ptrain.proto.events import Offender, RemoteError
+from p2ptrain.proto.gossip.messages import GradientPush
 from p2ptrain.proto.messages import Ping
 from p2ptrain.proto.offenders import Offenders
-from tests.test_node import _malformed_bodies, cluster, envelope_from
+from tests.test_node import MODEL, _malformed_bodies, cluster, envelope_from, gradient_chunk
 
 
 def test_a_burst_of_refusals_makes_an_offender_and_the_window_forgets():
@@ -46,3 +48,23 @@ def test_a_member_sending_bad_values_is_ignored_then_readmitted():
     # after the cool-off it is heard again
     c.run_for(node.config.offender_cooloff + 1.0)
     assert bad_id in [i for i, _ in node.alive_peers()]
+
+
+def test_pushes_from_a_member_not_yet_in_our_list_are_refused_but_no_offence():
+    """Membership spreads by gossip: a node can know us, and push to us every step, before our
+    list has it. Those pushes are refused (no effect) but do not make it an offender -- that
+    ignored it for 5 minutes (CI: a 4-node swarm whose member then used one peer's gradients)."""
+    c = cluster(3, step_seconds=0.5)
+    c.run_until(0.0)
+    node = c.training_node(0)
+    early = c.nodes[1].info.node_id
+    assert node.control.member(early) is None  # the lists have not spread yet
+    grad = np.full(MODEL.space.size, 0.01, np.float32)
+    for _ in range(node.config.offender_refusals + 2):
+        push = envelope_from(c, 1, 0, GradientPush(1, 2.0, gradient_chunk(early, grad)))
+        actions = c.inject(0, push, c.nodes[1].info.addr)
+        assert [type(a) for a in actions] == [RemoteError], actions
+        assert "not a member" in actions[0].reason and not actions[0].offence
+    assert node.status()["offenders"] == [] and not node.offenders.ignored(0.0, early)
+    c.run_until(6.0)  # once the lists have spread, its gradients are used
+    assert node.trainer.mixer.used[bytes.fromhex(early)] > 0

@@ -250,8 +250,10 @@ class Control:
             raise LocalProtocolError("Received.message must be bytes or an Envelope")
         header, body = message.header, message.body
         reason = self._refusal(header, body)
-        if reason is not None:
-            actions.append(RemoteError(event.addr, header.sender, reason))
+        if reason is not None:  # a member we do not know yet is no offender: honest lag (its
+            # pushes start as soon as it knows us, maybe before our list has it)
+            actions.append(RemoteError(event.addr, header.sender, reason, offence=isinstance(
+                body, OPEN_BODIES) or header.sender in self.membership.table.members))
             return
         membership = self.membership
         if header.fingerprint != self.me.fingerprint:  # another swarm: nothing it says counts
