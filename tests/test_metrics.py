@@ -49,7 +49,13 @@ def test_metrics_parse_with_conventional_names_and_types(tmp_path):
         for name, kind in types.items():
             assert name in first and first[name].type == kind, (name, first.get(name))
         assert "p2ptrain_average_eval_loss" not in first  # no train.ema: no average
-        assert _value(first["p2ptrain_members"], state="alive") == 1
+        # (one late probe ack leaves the other suspect for a moment: the scrape is retried)
+        def alive_in_scrape() -> dict | None:
+            scraped = _scrape(a.addr)
+            states = {s.labels.get("state"): s.value for s in scraped["p2ptrain_members"].samples}
+            return scraped if states.get("alive") == 1 else None
+
+        first = wait_for("the other node alive in a scrape", alive_in_scrape, 30)
         hist = first["p2ptrain_step_seconds"]
         count = _value(hist, "_count")
         assert count > 0 and _value(hist, "_bucket", le="+Inf") == count

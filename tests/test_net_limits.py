@@ -143,8 +143,9 @@ def test_idle_connections_do_not_lock_peers_out(swarm):
                   f"({held['open']} attack connections open, {held['opened']} opened)")
         wait_for("n0 to keep stepping and averaging with n1", lambda: (
             n0.status()["step"] >= step0 + 20 and averaged(n0) >= avg0 + 2), 30)
-        n1_view = {m["node_id"]: m["state"] for m in n1.status()["members"]}
-        assert n1_view[n0.status()["node_id"]] == "alive"
+        n0_id = n0.status()["node_id"]
+        wait_for("n1 to hold n0 alive", lambda: {m["node_id"]: m["state"] for m in n1.status()[
+            "members"]}.get(n0_id) == "alive", 30)
     assert attack.error is None, attack.error
     runtime = n0.status()["runtime"]
     print(f"opened {held['opened']} attack connections; node counts: "

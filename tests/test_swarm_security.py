@@ -553,8 +553,9 @@ def test_a_training_node_shrugs_off_a_burst_of_bad_requests(tmp_path):
         for key, sent in (("refused_auth", n_auth), ("refused_bad_input", n_bad)):
             assert after.get(key, 0) - before.get(key, 0) >= sent, (key, before, after)
         assert np.isfinite(doc["loss"])
-        assert second.status()["node_id"] in {m["node_id"] for m in doc["members"]
-                                              if m["state"] == "alive"}
+        second_id = second.status()["node_id"]
+        wait_for("the other node alive in its view", lambda: second_id in {
+            m["node_id"] for m in first.status()["members"] if m["state"] == "alive"}, 30)
         assert lab.stop_all() == [0, 0]
 
 
