@@ -145,7 +145,8 @@ def test_mdns_alone_finds_the_swarm_and_ignores_another_swarm(tmp_path):
         finally:
             browser.cancel()
             zc.close()
-        leader = _one_leader([status_of(p) for p in nodes])
+        leader = wait_for("one leader (still)", lambda: _one_leader(
+            [status_of(p) for p in nodes]), 20)
         assert leader in ids
         assert stranger_id not in members_seen
         assert not stranger_knew, f"the other swarm's node listed {stranger_knew[0]}"
