@@ -123,7 +123,8 @@ def test_a_request_is_verified_as_its_body_streams_and_recorded_only_if_it_verif
 def test_other_protocol_versions_are_refused_naming_both():
     signer, server = _pair()
     _, headers = signer.sign_request("POST", "/v1/control", b"x", to=TO_B)
-    for version, theirs in ((None, "1"), ("1", "1"), ("2", "2"), ("4", "4")):
+    older, newer = str(PROTOCOL_VERSION - 1), str(PROTOCOL_VERSION + 1)
+    for version, theirs in ((None, "1"), ("1", "1"), (older, older), (newer, newer)):
         old = {k: v for k, v in headers.items() if k != VERSION}
         if version is not None:
             old[VERSION] = version
