@@ -214,3 +214,22 @@ def test_init_files_are_private_and_never_overwritten(tmp_path):
         read_key_file(tmp_path / "short.key", "fleet")
     (tmp_path / "token.key").write_text(swarm.token() + "\n")
     assert read_key_file(tmp_path / "token.key", "ignored") == Swarm("fleet", swarm.key)
+
+
+def test_a_slow_upload_is_behind_only_the_requests_to_the_same_receiver():
+    """A sender numbers its requests per receiver: a bulk upload signed first and finished
+    last at B is not 'too far behind' because the sender meanwhile sent thousands of requests
+    to others (a leader's heartbeats to every member) and a few to B that finished first."""
+    signer, server = _pair()
+    others = [Receiver(f"{i:032x}", 1) for i in range(50)]
+    _, slow = signer.sign_request("POST", "/v1/average", b"part", to=TO_B)
+    for _ in range(40):  # 2,000 requests to 50 other members while the part uploads ...
+        for other in others:
+            signer.sign_request("POST", "/v1/control", b"beat", to=other)
+        rid, fast = signer.sign_request("POST", "/v1/control", b"ping", to=TO_B)  # ... 40 to B
+        assert server.verify("POST", "/v1/control", fast, b"ping") == rid
+    assert server.verify("POST", "/v1/average", slow, b"part").seq == 1
+    # a receiver forgotten (or new) continues above every sequence the signer issued
+    issued = signer.seq
+    assert signer.sign_request("POST", "/v1/control", b"", to=Receiver("c" * 32, 1))[0].seq \
+        == issued + 1 and issued >= 41

@@ -35,10 +35,12 @@ Replays are refused without any wall clock (Pis have no real-time clock): for ea
 receiver keeps the newest incarnation and a sliding window of the sequences seen in it. A
 request with an older incarnation, a sequence already seen, or one too far behind the newest
 is refused. The window (not "strictly greater") lets concurrent requests of one sender arrive
-out of order. The headers are checked (version, shape, receiver, replay window) before the
-body is read; the MAC is computed as the body streams in (`Pending`) and the replay window
-records the request only once the MAC verified. Everything is constant-time compared. No
-I/O, no clock.
+out of order. A sender numbers its requests to each receiver on their own: a slow upload (an
+averaging part over a Starlink uplink) is behind only the requests that reached the same
+receiver meanwhile, not the heartbeats a leader sends every member. The headers are checked
+(version, shape, receiver, replay window) before the body is read; the MAC is computed as the
+body streams in (`Pending`) and the replay window records the request only once the MAC
+verified. Everything is constant-time compared. No I/O, no clock.
 
 Key rotation (keyring.py): a node may hold the swarm's current key and, for a grace period,
 the previous one. It accepts requests and hellos MACed with either while the grace lasts and
@@ -62,8 +64,9 @@ from p2ptrain.proto import PROTOCOL_VERSION
 
 SENDER, SEQ, MAC = "X-P2P-Sender", "X-P2P-Seq", "X-P2P-MAC"
 VERSION, TO, NONCE = "X-P2P-Version", "X-P2P-To", "X-P2P-Nonce"
-REPLAY_WINDOW = 256  # sequences behind the newest still accepted (once each)
+REPLAY_WINDOW = 1024  # sequences behind the newest still accepted (once each)
 MAX_SENDERS = 8192  # senders remembered; the least recently heard is forgotten first
+MAX_RECEIVERS = 8192  # receivers a signer numbers separately (a forgotten one starts above all)
 _TAG = f"p2ptrain/{PROTOCOL_VERSION}"
 _REQ_TAG, _RESP_TAG = f"{_TAG} request\n".encode(), f"{_TAG} response\n".encode()
 _HELLO_TAG, _WELCOME_TAG = f"{_TAG} hello\n".encode(), f"{_TAG} welcome\n".encode()
@@ -170,7 +173,8 @@ class Signer:
             raise ValueError("bad node id or incarnation")
         self.keys = keyring(keys)
         self.key, self.node_id, self.incarnation = self.keys.current, node_id, incarnation
-        self.seq = 0
+        self.seq = 0  # the highest sequence issued, to anyone
+        self._seqs: OrderedDict[str, int] = OrderedDict()  # receiver -> its last sequence
         self.on_previous: set[str] = set()  # node ids that answered hello to the previous key
 
     def key_for(self, node_id: str) -> bytes:
@@ -197,10 +201,15 @@ class Signer:
 
     def sign_request(self, method: str, path: str, body: bytes | memoryview = b"", *,
                      to: Receiver) -> tuple[RequestId, dict[str, str]]:
-        """Headers for one request meant for `to` (each call uses a new sequence number)."""
-        self.seq += 1
+        """Headers for one request meant for `to` (each call uses a new sequence number,
+        counted per receiver; a receiver new or forgotten continues above every one issued)."""
+        seq = self._seqs.pop(to.node_id, self.seq) + 1
+        self._seqs[to.node_id] = seq
+        if len(self._seqs) > MAX_RECEIVERS:
+            self._seqs.popitem(last=False)
+        self.seq = max(self.seq, seq)
         key = self.key_for(to.node_id)
-        rid = RequestId(self.node_id, self.incarnation, self.seq, to, key)
+        rid = RequestId(self.node_id, self.incarnation, seq, to, key)
         mac = _mac(key, _REQ_TAG, rid.fields(method, path), body)
         return rid, {VERSION: str(PROTOCOL_VERSION), SENDER: rid.sender,
                      SEQ: f"{rid.incarnation}.{rid.seq}", TO: to.header(), MAC: mac}
