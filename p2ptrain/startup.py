@@ -263,14 +263,19 @@ def member_info(learner: Learner, hw: Any, addr: str, priority: int,
                 outbound_only: bool, gossip: GossipConfig) -> MemberInfo:
     """How this node describes itself to the swarm (fixed for one incarnation): the fields
     that must match between members (architecture, layout, vocabulary, mode, the shape of an
-    averaging exchange) included, and the fingerprint of them all."""
+    averaging exchange, the gradient codec and outer steps) included, and the fingerprint of
+    them all."""
     model = learner.model
     n = model.space.n_params
     plan = gossip.averaging_plan(n, flops_per_coordinate(model, n))
+    codec = gossip.make_codec()  # a push in another codec, or pseudo-gradients among
+    # gradients, is refused chunk by chunk at step rate: such members are refused as members
+    gradients = f"{codec.name} {json.dumps(codec.params(), sort_keys=True)}" + (
+        f" outer {gossip.outer_every}" if gossip.outer_every > 0 else "")
     fields = {"arch": json.dumps(model.arch(), sort_keys=True),
               "layout": model.space.fingerprint(), "vocab": str(model.vocab_size),
               "tokenizer": learner.tokenizer_id, "mode": model.mode,
-              "averaging": plan.wire_shape()}
+              "averaging": plan.wire_shape(), "gradients": gradients}
     if model.mode == "lora":
         fields["base"] = model.base_id
     fingerprint = fingerprint_of({**fields, "model": learner.fingerprint})

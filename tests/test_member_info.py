@@ -57,6 +57,20 @@ def test_members_whose_exchanges_would_not_match_differ_in_averaging_alone(their
     assert differing_keys(mine.fingerprint_fields, other.fingerprint_fields) == ["averaging"]
 
 
+@pytest.mark.parametrize("theirs", [
+    GossipConfig(fanout=2, codec="int8"),
+    GossipConfig(fanout=2, fraction=0.05),
+    GossipConfig(fanout=2, outer_every=20),
+])
+def test_members_whose_gradients_would_be_refused_differ_in_gradients_alone(theirs):
+    """A push in another codec (or with other parameters), or pseudo-gradients among
+    gradients, would be refused chunk by chunk at step rate: refused as a member instead."""
+    mine = info(GossipConfig(fanout=2))
+    other = info(theirs, "b" * 32)
+    assert mine.fingerprint != other.fingerprint
+    assert differing_keys(mine.fingerprint_fields, other.fingerprint_fields) == ["gradients"]
+
+
 def test_a_part_size_counts_where_it_splits_an_exchange():
     """The test model's exchanges are shorter than a part: any part size as long matches;
     one that splits them does not."""

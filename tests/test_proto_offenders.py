@@ -14,6 +14,16 @@ from p2ptrain.proto.offenders import Offenders
 from tests.test_node import MODEL, _malformed_bodies, cluster, envelope_from, gradient_chunk
 
 
+def test_a_burst_of_refusals_counts_once_towards_the_limit():
+    """One refused vector of a big model is hundreds of chunk messages within milliseconds:
+    it is one refusal towards the limit (every message still counts in the total)."""
+    o = Offenders(limit=3, window=10.0, cooloff=100.0)
+    assert not any(o.refused(0.001 * i, "a", "chunk") for i in range(500))
+    assert o.records["a"].total == 500 and not o.ignored(1.0, "a")
+    assert not o.refused(1.0, "a", "x") and not o.ignored(1.5, "a")
+    assert o.refused(2.0, "a", "x") and o.ignored(2.5, "a")  # the third, seconds apart
+
+
 def test_a_burst_of_refusals_makes_an_offender_and_the_window_forgets():
     o = Offenders(limit=3, window=10.0, cooloff=100.0)
     assert not o.refused(0.0, "a", "x") and not o.refused(5.0, "a", "x")
@@ -34,6 +44,7 @@ def test_a_member_sending_bad_values_is_ignored_then_readmitted():
     body = _malformed_bodies(c)["checksum"]
     kinds = []
     for _ in range(node.config.offender_refusals):
+        c.run_for(1.1)  # refusals over a second apart (a burst counts as one: see above)
         kinds.append([type(a) for a in c.inject(0, envelope_from(c, 1, 0, body),
                                                 c.nodes[1].info.addr)])
     assert kinds[:-1] == [[RemoteError]] * (len(kinds) - 1)

@@ -5,7 +5,11 @@ will not adopt -- is counted against its sender; `limit` refusals within `window
 make it an offender, ignored for `cooloff` seconds: its messages are dropped unread, it is
 never chosen as a push target, averaging partner or checkpoint source. It is named in the
 node's status and announced once (`Offender`). Honest members that drift apart are not caught
-by one refusal: it takes a burst. Pure: time is passed in.
+by one refusal: it takes refusals spread over seconds. Refusals less than `SPACING` apart count
+as one towards `limit` (all count in the totals): one refused vector of a big model is many
+chunk messages, and one honest cause (a setting that differs, a spike) refused in a burst must
+not make an offender by itself; a member sending garbage still becomes one within
+(limit - 1) x SPACING seconds. Pure: time is passed in.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 MAX_TRACKED = 1024  # senders whose recent refusals are remembered, at most
+SPACING = 1.0  # s: refusals closer than this to the last one counted count as that one
 
 
 @dataclass
@@ -40,6 +45,8 @@ class Offenders:
             record = self.records[sender] = Record()
         record.total += 1
         record.reason = reason
+        if record.refusals and now - record.refusals[-1] < SPACING:
+            return False  # the same burst
         record.refusals.append(now)
         while record.refusals and record.refusals[0] < now - self.window:
             record.refusals.popleft()
