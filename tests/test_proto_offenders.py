@@ -3,6 +3,8 @@ item 13): in the in-memory training cluster, virtual time."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -79,3 +81,30 @@ def test_pushes_from_a_member_not_yet_in_our_list_are_refused_but_no_offence():
     assert node.status()["offenders"] == [] and not node.offenders.ignored(0.0, early)
     c.run_until(6.0)  # once the lists have spread, its gradients are used
     assert node.trainer.mixer.used[bytes.fromhex(early)] > 0
+
+
+def test_a_restarted_member_once_outbound_only_may_lead_before_our_record_of_it_is_new():
+    """A member that once went outbound-only (a laptop asleep looked unreachable) restarts
+    accepting connections and leads: its new life's messages carry its claim before our
+    record of it is updated. They are not refused as an outbound-only member's claim (every
+    one was: the leader became an offender within seconds)."""
+    c = cluster(3, step_seconds=0.5)
+    c.run_until(6.0)
+    lead = c.training_node(0).control.leader
+    at = next(i for i, n in enumerate(c.nodes) if n.info.node_id == lead)
+    to = (at + 1) % 3
+    node = c.training_node(to)
+    record = node.control.membership.table.members[lead]
+    record.info = dataclasses.replace(record.info, outbound_only=True)  # its previous life's
+    for k in range(2 * node.config.offender_refusals):
+        env = envelope_from(c, at, to, Ping(1000 + k, c.nodes[to].info.node_id))
+        env = dataclasses.replace(env, header=dataclasses.replace(
+            env.header, incarnation=record.incarnation + 1))  # its new life
+        actions = c.inject(to, env, c.nodes[at].info.addr)
+        assert not [a for a in actions if type(a) in (RemoteError, Offender)], actions
+    # the same claim in the life our record describes is still refused
+    env = envelope_from(c, at, to, Ping(1, c.nodes[to].info.node_id))
+    env = dataclasses.replace(env, header=dataclasses.replace(
+        env.header, incarnation=record.incarnation))
+    refused = [a for a in c.inject(to, env, c.nodes[at].info.addr) if type(a) is RemoteError]
+    assert refused and "outbound-only member cannot lead" in refused[0].reason

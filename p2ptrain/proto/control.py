@@ -308,7 +308,9 @@ class Control:
             return (f"leave at incarnation {header.incarnation}: more than {step} above "
                     f"incarnation {ceiling}")
         if view is not None and view.leader == header.sender and known is not None:
-            if known.info.outbound_only:
+            # (a newer life is judged by its own record, which its header may be bringing: a
+            # member that once went outbound-only and restarted accepting connections)
+            if known.info.outbound_only and header.incarnation <= known.incarnation:
                 return "an outbound-only member cannot lead"
             if header.incarnation == known.incarnation and (
                 view.priority != known.info.priority
