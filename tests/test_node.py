@@ -452,3 +452,25 @@ def test_averaging_in_parts_runs_every_part_through_the_nodes():
         assert as_initiator >= parts * (stats["average_started"] - 1), (parts, stats)
     sizes = {len(c.training_node(i).trainer.initiator._snap) for i in range(3)}
     assert sizes == {part}  # one part of snapshot, never the whole model
+
+
+@pytest.mark.parametrize("how", ["crash", "restart"])
+def test_an_exchange_whose_partner_died_or_restarted_ends_at_once(how):
+    """No reply comes from a partner that died or restarted: the exchange ends once the
+    membership says so (seconds), not at its give-up (90 s or more), which blocked every
+    averaging exchange of the node meanwhile."""
+    c = cluster(3, step_seconds=0.25, gossip=GossipConfig(
+        fanout=0, average_every=2, averaging="full", average_every_fast=0))
+    c.run_until(4.0)
+    node = c.training_node(0)
+    while node.trainer.exchange is None:
+        c.run_until(c.now + 0.001)
+    ex = node.trainer.exchange
+    partner = next(k for k in range(3) if c.nodes[k].info.node_id == ex.peer)
+    getattr(c, how)(partner)
+    c.run_until(c.now + c.config.detection_bound(3) + 1.0)
+    assert node.trainer.exchange is not ex and c.now < ex.deadline
+    assert node.trainer.stats["average_partner_gone"] == 1
+    started = node.trainer.stats["average_started"]
+    c.run_until(c.now + 3.0)  # and averaging goes on with whoever lives
+    assert node.trainer.stats["average_started"] > started

@@ -164,6 +164,11 @@ class Control:
         """`node_id`'s sample rate as this node observed its entry grow (None: not yet)."""
         return self.membership.sample_guard.rate(node_id, self.now)
 
+    def life_of(self, node_id: str) -> int | None:
+        """A member's incarnation while it is alive or suspect (None: dead, left, unknown)."""
+        m = self.membership.table.members.get(node_id)
+        return m.incarnation if m is not None and m.live else None
+
     def baseline_samples(self, counts: dict[str, int]) -> None:
         """This node's starting G-counter (its resume checkpoint, or the one its driver
         started it from): admitted whole, the base later reports are bounded against."""

@@ -114,11 +114,11 @@ class Node:
                                term_floor=term_floor)
         self.learner = learner
         self.control.baseline_samples(learner.count.as_dict())  # the start state: trusted
-        self.trainer = GossipTrainer(config.gossip, learner,
-                                     np.random.default_rng(rng.getrandbits(64)),
-                                     average_timeout=config.average_timeout,
-                                     chunk_elems=config.chunk_elems)
+        self.trainer = GossipTrainer(config.gossip, learner, np.random.default_rng(
+            rng.getrandbits(64)), average_timeout=config.average_timeout,
+            chunk_elems=config.chunk_elems)
         self.trainer.rate_of = self.trainer.mixer.rate_of = self.control.sample_rate
+        self.trainer.life_of = self.control.life_of  # an exchange with a partner gone ends
         # joining: averaging requests are declined (no peer is pulled toward weights this node
         # may be about to drop) and nothing received moves the learner's counters or weights
         self.join = Join(now=now, own_samples=learner.count.total,

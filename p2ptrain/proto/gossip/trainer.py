@@ -27,7 +27,8 @@ error-feedback residual exists only when gradients are pushed (`fanout > 0`).
 Give-up: each part waits for its reply until a deadline that grows with its bytes over the
 bandwidth measured to the peer (`give_up_seconds`: `average_timeout_margin` x the expected
 time, within [`average_timeout`, `average_timeout_max`]); a part given up lowers that peer's
-bandwidth estimate. No part is sent once the exchange has run `average_timeout_max`.
+bandwidth estimate. No part is sent once the exchange has run `average_timeout_max`. A part
+whose partner the membership finds dead or restarted (`life_of`) ends at the next tick.
 
 Tracking (`track_peers` > 0, tracking.py): after each step the node also pushes the sign of
 its replica minus its public copy to the fastest and moves toward its copies (`track_step`).
@@ -50,7 +51,6 @@ import numpy as np
 
 from p2ptrain.codecs import CodecError, Message, parse_message
 from p2ptrain.proto.gossip.averaging import (
-    AveragingReport,
     HeldDeltas,
     ParameterAverager,
     PeerSnapshot,
@@ -113,9 +113,8 @@ class GossipTrainer:
         self.exchange: Exchange | None = None
         self.held = HeldDeltas(self.plan, held_capacity(n))  # half steps while busy
         self.reading = False  # the driver reads the learner's buffers: busy even between steps
-        self.next_part: tuple[str, str, int, int, int, float] | None = None  # (peer, addr,
-        # seed, part, parts, opened): an exchange's next part, sent at the step boundary (no
-        # room while busy)
+        # (peer, addr, seed, part, parts, opened): a next part to send at the step boundary
+        self.next_part: tuple[str, str, int, int, int, float] | None = None
         self.latest: tuple[int, float, list[bytes]] | None = None  # own last gradient sent
         self.served: dict[str, int] = {}  # outbound-only peer -> own step last returned to it
         self.peer_progress: dict[str, tuple[int, float | None]] = {}  # last (step, loss) heard
@@ -123,9 +122,10 @@ class GossipTrainer:
         self.distance: float | None = None  # consensus distance of the last exchange (RMS)
         self.last_mix: MixReport | None = None
         self.stats: Counter[str] = Counter()
-        # samples/s each node is seen to train at (the membership's); None: nothing observes
-        # them (averaging pulls 1/2, partners are drawn by link alone)
+        # the membership's: samples/s a node is seen to train at (None: unobserved; averaging
+        # pulls 1/2, partners by link alone); a member's incarnation while it lives, or None
         self.rate_of: Callable[[str], float | None] | None = None
+        self.life_of: Callable[[str], int | None] = lambda node_id: None
         self._seed_base = int(rng.integers(0, 2**62))
         self.tracker = (Tracker(n, config.track_peers, config.track_gamma, config.track_warmup,
                                 config.distance_guard(), rng, chunk_elems, self.stats)
@@ -292,7 +292,7 @@ class GossipTrainer:
         is outstanding, into the held half steps."""
         rate_of = self.rate_of or (lambda node_id: None)
         try:
-            report: AveragingReport = averager.finish(
+            report = averager.finish(
                 self.learner.params, snap, self.held if busy else None, pull_share(
                     rate_of(self.node_id), rate_of(snap.sender.hex()),
                     self.config.average_pull_max, self.config.average_pull_power))
@@ -313,8 +313,7 @@ class GossipTrainer:
         return []
 
     @property
-    def dirty(self) -> bool:
-        """Averaging half steps wait for the step boundary."""
+    def dirty(self) -> bool:  # averaging half steps wait for the step boundary
         return bool(self.held)
 
     def flush(self) -> None:
@@ -405,7 +404,7 @@ class GossipTrainer:
                                                                  learner.count.total))
         sent = sum(len(c) for c in chunks)
         self.exchange = Exchange(peer, seed, now, now + self.give_up_seconds(peer, sent),
-                                 sent, part, parts, addr, opened)
+                                 sent, part, parts, addr, opened, self.life_of(peer))
         self.stats["average_parts_sent"] += 1
         self.stats["average_bytes_sent"] += self.exchange.sent
         out.append(Out(peer, addr, AverageRequest(seed, learner.step, learner.count.as_dict(),
@@ -430,11 +429,13 @@ class GossipTrainer:
         if self.tracker is not None:
             self.tracker.tick(now)
         ex = self.exchange
-        if ex is not None and now >= ex.deadline:
-            self.exchange = None
+        gone = ex is not None and ex.life is not None and self.life_of(ex.peer) != ex.life
+        if ex is not None and (now >= ex.deadline or gone):  # (gone: it died or restarted,
+            self.exchange = None  # and no reply comes: the slot is free at once, no 90 s wait)
             self.initiator.abort()
-            self.peers.observe_shortfall(ex.peer, 2 * ex.sent, now - ex.started)
-            self.stats["average_timeout"] += 1
+            self.stats["average_partner_gone" if gone else "average_timeout"] += 1
+            if not gone:  # given up: the link is slower than measured
+                self.peers.observe_shortfall(ex.peer, 2 * ex.sent, now - ex.started)
 
     def close(self, replaced: bool = False) -> None:
         """Stop: forget the open exchange and held results; `replaced`: the outer round too."""
