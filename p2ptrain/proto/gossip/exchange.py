@@ -29,4 +29,5 @@ class Exchange:
     parts: int = 1  # parts of the exchange
     addr: str = ""  # where the responder accepts requests
     opened: float | None = None  # when the exchange's first part was sent (None: `started`)
-    life: int | None = None  # the responder's incarnation when the part was sent
+    life: int | None = None  # the responder's incarnation when the part was sent (None: not
+    # live then)

@@ -27,8 +27,8 @@ error-feedback residual exists only when gradients are pushed (`fanout > 0`).
 Give-up: each part waits for its reply until a deadline that grows with its bytes over the
 bandwidth measured to the peer (`give_up_seconds`: `average_timeout_margin` x the expected
 time, within [`average_timeout`, `average_timeout_max`]); a part given up lowers that peer's
-bandwidth estimate. No part is sent once the exchange has run `average_timeout_max`. A part
-whose partner the membership finds dead or restarted (`life_of`) ends at the next tick.
+bandwidth estimate. No part is sent once the exchange has run `average_timeout_max`; nor
+waited for once the membership finds its partner dead (`life_of`): it ends at the next tick.
 
 Tracking (`track_peers` > 0, tracking.py): after each step the node also pushes the sign of
 its replica minus its public copy to the fastest and moves toward its copies (`track_step`).
@@ -429,9 +429,9 @@ class GossipTrainer:
         if self.tracker is not None:
             self.tracker.tick(now)
         ex = self.exchange
-        gone = ex is not None and ex.life is not None and self.life_of(ex.peer) != ex.life
-        if ex is not None and (now >= ex.deadline or gone):  # (gone: it died or restarted,
-            self.exchange = None  # and no reply comes: the slot is free at once, no 90 s wait)
+        gone = ex is not None and ex.life is not None and self.life_of(ex.peer) is None
+        if ex is not None and (now >= ex.deadline or gone):  # (gone: found dead, so no reply
+            self.exchange = None  # comes: the slot is free at once, not after 90 s or more)
             self.initiator.abort()
             self.stats["average_partner_gone" if gone else "average_timeout"] += 1
             if not gone:  # given up: the link is slower than measured
