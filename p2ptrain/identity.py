@@ -15,7 +15,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from p2ptrain.fsutil import atomic_write_bytes, write_small
+from p2ptrain.fsutil import NotRegularFile, TooLarge, atomic_write_bytes, read_regular, write_small
 
 KEY_FILE = "identity.key"
 INCARNATION_FILE = "incarnation"
@@ -58,9 +58,12 @@ def load_or_create(state_dir: Path, bump_incarnation: bool = True) -> Identity:
         raise IdentityError(msg) from None
     key_path = state_dir / KEY_FILE
     if key_path.exists():
-        try:
-            with open(key_path, "rb") as f:  # 33 bytes at most: never a device read whole
-                raw = f.read(33)
+        try:  # a regular file of 32 bytes: a FIFO or device there is refused, not read
+            raw = read_regular(key_path, 32)
+        except TooLarge:
+            raw = b""
+        except NotRegularFile as exc:
+            raise IdentityError(f"cannot read {key_path}: {exc}; move it away") from None
         except OSError as exc:  # e.g. a state dir made by `sudo p2ptrain join`, used without
             hint = (" (made by another user, e.g. root? fix its owner, or use another "
                     "--state-dir)" if isinstance(exc, PermissionError) else "")

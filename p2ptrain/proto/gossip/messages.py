@@ -56,8 +56,9 @@ def _check_part(part: int, parts: int) -> None:
 
 def _check_progress(step: int, loss: float | None) -> None:
     check_count(step, "step")
-    if loss is not None and not 0.0 <= loss < math.inf:  # the wire refuses NaN and inf; a
-        raise ValueError("loss must be finite and >= 0")  # body built here too
+    # (the wire refuses NaN and inf; a body built here must too)
+    if loss is not None and not 0.0 <= loss < math.inf:
+        raise ValueError("loss must be finite and >= 0")
 
 
 @register(32)
