@@ -444,12 +444,18 @@ def test_averaging_in_parts_runs_every_part_through_the_nodes():
                                     average_part=part))
     c.run_until(12.0)
     parts = -(-n // part)
+    whole = 0
     for i in range(3):
         stats = c.training_node(i).trainer.stats
         assert stats["average_started"] >= 2, stats
-        # every exchange it started, but the last (maybe still in flight), ran all its parts
+        # every exchange it started that was not declined (two nodes opening exchanges with
+        # each other at once: the larger id's is), but the last (maybe still in flight), ran
+        # all its parts
+        ran = stats["average_started"] - stats["average_declined"]
         as_initiator = stats["average_applied"] - stats["average_answered"]
-        assert as_initiator >= parts * (stats["average_started"] - 1), (parts, stats)
+        assert as_initiator >= parts * (ran - 1), (parts, stats)
+        whole += as_initiator // parts
+    assert whole >= 6
     sizes = {len(c.training_node(i).trainer.initiator._snap) for i in range(3)}
     assert sizes == {part}  # one part of snapshot, never the whole model
 

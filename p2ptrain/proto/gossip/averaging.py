@@ -78,6 +78,27 @@ def read_snapshot(messages: Iterable[Any]) -> PeerSnapshot:
                         first.codec, chunks)
 
 
+def read_part(plan: AveragingPlan, codec: Codec, sender: bytes, chunks: Iterable[Any],
+              seed: int, part: int, parts: int) -> PeerSnapshot:
+    """The snapshot an averaging body from `sender` carries for part `part` of `parts` of
+    exchange `seed`, checked against the plan, the swarm's `codec` and the sender, every value
+    finite; CodecError naming the first defect."""
+    snap = read_snapshot(chunks)
+    if parts != plan.parts(seed) or part >= parts:
+        raise CodecError(f"averaging part {part} of {parts} does not match the plan "
+                         f"({plan.parts(seed)} parts)")
+    lo, hi = plan.part_range(seed, part)
+    if snap.sender != sender or snap.seed != seed:
+        raise CodecError("averaging chunks name another sender or exchange")
+    if snap.codec != codec or snap.length != hi - lo:
+        raise CodecError(f"averaging snapshot ({snap.codec.name}, {snap.length} values) "
+                         f"does not match the plan ({codec.name}, {hi - lo})")
+    for chunk in snap.chunks:
+        if not math.isfinite(chunk.sq_norm()):
+            raise CodecError("averaging snapshot holds non-finite values")
+    return snap
+
+
 @dataclass(frozen=True, slots=True)
 class AveragingReport:
     """What one applied exchange did."""

@@ -234,15 +234,22 @@ class GradientMixer:
 
     # -- arrival ----------------------------------------------------------------------------
 
-    def admit(self, msg: Any) -> tuple[Message, float]:
+    def admit(self, msg: Any, sender: bytes | None = None) -> tuple[Message, float]:
         """Every check `receive` makes, changing nothing but the drop counters (and dropping
         a vector whose last chunk makes its total norm absurd, whole): the parsed
         chunk and its squared norm, or CodecError (malformed or norm) if the peer misbehaved:
-        framing, payload, non-finite values, wrong vector length, bad weight, a duplicate or
-        inconsistent chunk, an absurd chunk norm, or a last chunk that makes its vector's
-        total norm absurd. Call it before anything else of the message is acted on."""
+        framing, (from a peer, `sender` its id:) another codec than the swarm's, checked
+        before decoding, or another sender, payload, non-finite values, wrong vector length, bad weight,
+        a duplicate or inconsistent chunk, an absurd chunk norm, or a last chunk that makes
+        its vector's total norm absurd. Call it before anything else of the message is acted
+        on."""
         try:
             message = msg if isinstance(msg, Message) else parse_message(msg)
+            if sender is not None and message.codec != self.codec:
+                raise CodecError(f"gradient in {message.codec.name}: the swarm's gradients "
+                                 f"are in {self.codec.name}")
+            if sender is not None and message.sender_id != sender:
+                raise CodecError("gradient chunk names another sender than the message")
             entry = self._pending.get((message.sender_id, message.swarm_samples))
             self._check_header(message, entry)
             sq = self._chunk_sq_norm(message)

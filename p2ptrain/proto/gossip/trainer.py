@@ -41,21 +41,20 @@ clock (times are passed in), randomness only from the generator it is given.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from p2ptrain.codecs import CodecError, Message, parse_message
+from p2ptrain.codecs import CodecError, Message
 from p2ptrain.proto.gossip.averaging import (
     HeldDeltas,
     ParameterAverager,
     PeerSnapshot,
     pull_share,
-    read_snapshot,
+    read_part,
 )
 from p2ptrain.proto.gossip.config import GossipConfig, flops_per_coordinate
 from p2ptrain.proto.gossip.exchange import Exchange, held_capacity
@@ -111,6 +110,7 @@ class GossipTrainer:
         self.peers = PeerTable()  # RTT and bandwidth per peer: how push targets are chosen
         self.guard = config.distance_guard()  # which averaging snapshots are too far
         self.exchange: Exchange | None = None
+        self.answered: set[str] = set()  # peers whose requests were answered since the step
         self.held = HeldDeltas(self.plan, held_capacity(n))  # half steps while busy
         self.reading = False  # the driver reads the learner's buffers: busy even between steps
         # (peer, addr, seed, part, parts, opened): a next part to send at the step boundary
@@ -144,36 +144,13 @@ class GossipTrainer:
         if isinstance(body, TrackPush | TrackAck):  # a node that does not track refuses
             return self.tracker.parse(sender, body) if (
                 type(body) is TrackPush and self.tracker is not None) else None
-        if isinstance(body, GradientPush | GradientReply):
-            msg = parse_message(body.chunk)
-            if msg.vector_length != self.n or msg.codec != self.mixer.codec:  # before decoding
-                raise CodecError(f"gradient of {msg.vector_length} elements in {msg.codec.name}"
-                                 f": the swarm's have {self.n} in {self.mixer.codec.name}")
-            if msg.sender_id != raw_id:
-                raise CodecError("gradient chunk names another sender than the message")
-            if not 0.0 < msg.weight <= self.config.max_sample_weight:
-                raise CodecError(f"sample weight {msg.weight} out of range")
-            if not math.isfinite(msg.sq_norm()):
-                raise CodecError("gradient chunk holds non-finite values")
-            return self.mixer.admit(msg)  # duplicates, norms: refused before any header use
+        if isinstance(body, GradientPush | GradientReply):  # refused before any header use
+            return self.mixer.admit(body.chunk, raw_id)
         if isinstance(body, AverageReply) and not body.chunks:
             return None
-        snap = read_snapshot(body.chunks)
-        parts = self.plan.parts(body.seed)
-        if body.parts != parts or body.part >= parts:
-            raise CodecError(f"averaging part {body.part} of {body.parts} does not match the "
-                             f"plan ({parts} parts)")
-        lo, hi = self.plan.part_range(body.seed, body.part)
-        expected = hi - lo
-        if snap.sender != raw_id or snap.seed != body.seed:
-            raise CodecError("averaging chunks name another sender or exchange")
-        if snap.codec != self.initiator.codec or snap.length != expected:
-            raise CodecError(f"averaging snapshot ({snap.codec.name}, {snap.length} values) "
-                             f"does not match the plan ({self.initiator.codec.name}, {expected})")
-        for chunk in snap.chunks:
-            if not math.isfinite(chunk.sq_norm()):
-                raise CodecError("averaging snapshot holds non-finite values")
-        if isinstance(body, AverageRequest) and not decline:
+        snap = read_part(self.plan, self.initiator.codec, raw_id, body.chunks, body.seed,
+                         body.part, body.parts)
+        if isinstance(body, AverageRequest) and not decline and not self._crossing(sender):
             self.responder.begin(self.learner.params, body.seed, body.part)  # a read
             try:
                 distance = self.responder.distance(snap)
@@ -186,6 +163,14 @@ class GossipTrainer:
                     and ex.part == body.part and self.initiator.is_open):
                 self._judge(sender, self.initiator.distance(snap), ours=True)
         return snap
+
+    def _crossing(self, sender: str) -> bool:
+        """`sender`'s request crosses the exchange this node opened with it, reply awaited:
+        answering both swaps the replicas (each half step is from the two snapshots), so
+        the node with the smaller id declines; the other answers, and both land on the mean."""
+        ex = self.exchange
+        return (ex is not None and ex.peer == sender and self.initiator.is_open
+                and self.node_id < sender)
 
     def _judge(self, sender: str, distance: float, ours: bool = False) -> None:
         reason = self.guard.judge(sender, distance)
@@ -267,6 +252,9 @@ class GossipTrainer:
         if not decline and busy and not self.held.room(self._part_size(body.seed, body.part)):
             decline = True  # its half step could not be held until the step boundary
             self.stats["average_declined_held_full"] += 1
+        elif not decline and self._crossing(sender):
+            decline = True
+            self.stats["average_declined_crossing"] += 1
         if not decline:
             # a read: allowed while busy
             self.responder.begin(learner.params, body.seed, body.part)
@@ -279,6 +267,7 @@ class GossipTrainer:
             self.stats["average_declined_by_us"] += 1
             return
         self.stats["average_answered"] += 1
+        self.answered.add(sender)
         self._finish(self.responder, snap, busy)
 
     # -- parameter writes ---------------------------------------------------------------------
@@ -356,27 +345,33 @@ class GossipTrainer:
                         out: list[Out]) -> None:
         """After a step: an exchange's part that waited for this boundary, else an averaging
         exchange if one is due -- with any partner every `average_every` steps, with one of
-        the swarm's fastest every `average_every_fast` when they, this node too, are few."""
+        the swarm's fastest every `average_every_fast` when they, this node too, are few;
+        not with a peer whose request it answered since the last step (just averaged)."""
+        answered, self.answered = self.answered, set()
         if self.next_part is not None:
             nxt, self.next_part = self.next_part, None
             self._send_part(now, *nxt, out)
         elif self.exchange is not None or not partners:
             return
         elif self.config.averaging_due(self.learner.step):
-            self._begin_average(now, partners, out)
+            self._begin_average(now, partners, out, answered)
         elif self.config.fast_averaging_due(self.learner.step) and self.rate_of is not None:
             fast = fast_partners(self.node_id, partners, self.rate_of)
             if fast and self.config.fast_core(len(fast) + 1, len(partners) + 1):
-                self._begin_average(now, fast, out)
+                self._begin_average(now, fast, out, answered)
             elif fast:
                 self.stats["average_fast_not_core"] += 1
 
     def _begin_average(self, now: float, partners: Sequence[tuple[str, str]],
-                       out: list[Out]) -> None:
+                       out: list[Out], answered: Collection[str] = ()) -> None:
         cfg, addrs, rate_of = self.config, dict(partners), self.rate_of
         rates = ({p: rate_of(p) for p in addrs}
                  if cfg.average_pull_max > 0.5 and rate_of is not None else None)
-        peer = self.peers.choose_partner(addrs, self.rng, 4 * self.plan.capacity,
+        drawn = {p: a for p, a in addrs.items() if p not in answered}
+        if not drawn:
+            self.stats["average_just_answered"] += 1
+            return
+        peer = self.peers.choose_partner(drawn, self.rng, 4 * self.plan.capacity,
                                          cfg.average_explore, rates, cfg.average_draw_power,
                                          cfg.average_known_rates)
         if peer is None:  # no partner's progress observed yet: wait for the next due step
@@ -441,6 +436,7 @@ class GossipTrainer:
         """Stop: forget the open exchange and held results; `replaced`: the outer round too."""
         self.exchange = None
         self.next_part = None
+        self.answered.clear()
         self.held.clear()
         self.initiator.abort()
         self.mixer.clear()
