@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from p2ptrain.proto.config import LOCAL
 from p2ptrain.proto.events import RemoteError
 from p2ptrain.proto.messages import (
@@ -387,6 +389,31 @@ def test_the_sample_guard_clamps_growth_to_rate_and_burst():
     assert 10 * 40 <= got <= 100 + 10 * 40
     assert guard.clamped >= 3
     assert guard.admit({b: 5}, 40.0, members) == {b: 5}  # lower values pass as they are
+
+
+def test_an_observed_rate_is_recent_not_a_lifetime_average():
+    """A member that spent five minutes fetching a checkpoint (its entry still), then trains
+    at 10 samples/s, is seen at ~10/s a minute later -- it was seen at 1.7/s (the average
+    since first seen), slow for many minutes: pulled most of the way to every partner, left
+    out of the fast core, its gradients' weight capped. One that stops is seen at 0 likewise."""
+    from p2ptrain.proto.membership.samples import RATE_SPAN, SampleGuard
+
+    me, b = "a" * 32, "b" * 32
+    guard = SampleGuard(LOCAL, me)
+    guard.admit({b: 500}, 0.0, {b})
+    for t in range(0, 301, 5):  # fetching: no growth
+        guard.own(10 * t, float(t))
+        guard.admit({b: 500}, float(t), {b})
+        assert guard.rate(b, float(t)) in (None, 0.0)
+    for t in range(301, 361):
+        guard.own(10 * t, float(t))
+        guard.admit({b: 500 + 10 * (t - 300)}, float(t), {b})
+    assert 2 * RATE_SPAN <= 60
+    assert guard.rate(b, 360.0) == pytest.approx(10.0, rel=0.05)
+    assert guard.rate(me, 360.0) == pytest.approx(10.0)
+    for t in range(361, 426):  # b stops: 0 within two spans
+        guard.admit({b: 500 + 600}, float(t), {b})
+    assert guard.rate(b, 425.0) == 0.0
 
 
 def test_a_fetched_checkpoint_brings_counts_under_the_same_bound():

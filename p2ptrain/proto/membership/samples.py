@@ -17,7 +17,8 @@ fetched checkpoint) passes `SampleGuard.admit` before it is merged by max:
   long absence, a fast node measured low at first) catch up at the allowed rate instead of
   being refused for good, while a forged 2^53 or `total_samples` moves an entry by one burst.
 - the allowed rate of entry X is `count_rate_margin` times X's own rate as this node observed
-  it (admitted growth over local time since first seen, at least `RATE_WINDOW` seconds), but
+  it (admitted growth over local time, recent: since first seen until `RATE_SPAN` seconds
+  have passed, then over the last one to two spans; at least `RATE_WINDOW` seconds), but
   at least the swarm's median observed rate (this node's own rate, exact, included) and at
   most `count_rate_cap` times it. Why observed rates rather than the advertised capability:
   capability is a matmul benchmark that a forged member record can set at will, and a fixed
@@ -39,6 +40,10 @@ from p2ptrain.proto.config import ProtoConfig
 from p2ptrain.swarmcount import MAX_ENTRIES
 
 RATE_WINDOW = 2.0  # s an entry must be watched before its observed rate counts
+# s: an observed rate is the growth over the last one to two spans (two anchors that move up
+# a span at a time), not since first seen: a member that spent minutes fetching a checkpoint
+# or paused is seen at its training rate within two spans, not after many minutes
+RATE_SPAN = 30.0
 
 
 @dataclass(slots=True)
@@ -46,8 +51,10 @@ class _Entry:
     high: int  # highest value admitted
     tokens: float  # samples it may still grow by at once
     at: float  # when the tokens were last refilled
-    first: int  # value when first seen (its observed rate counts growth from here)
-    since: float  # when first seen
+    first: int  # value at `since` (its observed rate counts growth from here)
+    since: float  # when first seen, later the older anchor of the rate (see RATE_SPAN)
+    mark: int = 0  # value at `marked`: the newer anchor, the older one a span on
+    marked: float = 0.0
 
 
 class SampleGuard:
@@ -65,14 +72,15 @@ class SampleGuard:
         """This node's starting count: admitted as it is."""
         for node_id, n in counts.items():
             e = self._entry(node_id, now)
-            e.high = e.first = max(e.high, int(n))
+            e.high = e.first = e.mark = max(e.high, int(n))
 
     def own(self, samples: int, now: float) -> None:
         """This node's own entry, exact (it counts its own training)."""
         e = self._entry(self.me, now)
         if e.since == now and e.high == 0:
-            e.first = samples
+            e.first = e.mark = samples
         e.high = max(e.high, samples)
+        self._roll(e, now)
 
     def admit(self, counts: Mapping[str, int], now: float, members: Collection[str]
               ) -> dict[str, int]:
@@ -107,14 +115,17 @@ class SampleGuard:
                 e.high += grow
                 n = e.high
             if new:  # its observed rate counts growth from its first sight on
-                e.first = e.high
+                e.first = e.mark = e.high
                 self.pool -= grow
+            else:  # on every report: anchors a span apart, however often rates are read
+                self._roll(e, now)
             out[node_id] = n
         return out
 
     def rate(self, node_id: str, now: float) -> float | None:
-        """`node_id`'s observed sample rate (admitted growth per second since first seen; so
-        bounded like its entry), None until it has been watched `RATE_WINDOW` seconds."""
+        """`node_id`'s observed sample rate (admitted growth per second over the last one to
+        two `RATE_SPAN`s; so bounded like its entry), None until it has been watched
+        `RATE_WINDOW` seconds."""
         e = self.entries.get(node_id)
         return None if e is None else self._observed(e, now)
 
@@ -136,11 +147,17 @@ class SampleGuard:
     def _entry(self, node_id: str, now: float) -> _Entry:
         e = self.entries.get(node_id)
         if e is None:
-            e = _Entry(0, float(self.config.count_burst), now, 0, now)
+            e = _Entry(0, float(self.config.count_burst), now, 0, now, 0, now)
             self.entries[node_id] = e
         return e
 
+    @staticmethod
+    def _roll(e: _Entry, now: float) -> None:
+        if now - e.marked >= RATE_SPAN:  # the newer anchor becomes the older; a new one now
+            e.first, e.since, e.mark, e.marked = e.mark, e.marked, e.high, now
+
     def _observed(self, e: _Entry, now: float) -> float | None:
+        self._roll(e, now)
         watched = now - e.since
         return (e.high - e.first) / watched if watched >= RATE_WINDOW else None
 
