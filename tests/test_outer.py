@@ -226,3 +226,35 @@ def test_one_peers_huge_vector_cannot_wreck_a_first_outer_round(size):
     assert attacked.learner.compute_gradient() < honest.learner.compute_gradient() + 0.5
     if size > 1000:
         assert attacked.mixer.drops["norm"] == 1 and not report.peers
+
+
+@pytest.mark.parametrize("averaging", ["full", "subset"])
+def test_averaging_within_a_round_moves_the_anchors_not_the_partial_progress(averaging):
+    """Outer steps that rewind, with parameter averaging beside (every step here): two
+    replicas that start a round at one anchor and average mid-round must still share it after
+    their rewinds. Snapshots of the replicas carried each side's partial progress into the
+    other: the rewind took back only the own steps, so the anchors ended apart by the
+    difference of their partial progress (RMS 0.014 in a review's two-replica run). The
+    snapshots are the anchors now, x + d."""
+    from p2ptrain.proto.gossip.trainer import GossipTrainer
+    from tests.test_gossip_crossing import ADDR, deliver, rms
+    from tests.test_node import learner
+
+    a_id, b_id = "a" * 32, "b" * 32
+    cfg = GossipConfig(outer_every=1000, fanout=1, average_every=1, averaging=averaging,
+                       average_every_fast=0)
+    a, b = (GossipTrainer(cfg, learner(i), np.random.default_rng(k), average_timeout=90.0,
+                          chunk_elems=1 << 20) for k, i in enumerate((a_id, b_id)))
+    b.learner.params[:] = a.learner.params  # one anchor
+    for _ in range(3):  # partial progress: a trains, b does not
+        a.step(1.0, a.learner.compute_gradient(), [], [], [])
+    assert rms(a.learner.params, b.learner.params) > 1e-3
+    out: list = []
+    a.step(2.0, a.learner.compute_gradient(), [], [(b_id, ADDR[b_id])], out)
+    [request] = out
+    [reply] = deliver(b, a_id, request.body, 2.1)
+    assert reply.body.chunks and b.stats["average_applied"] == 1
+    assert deliver(a, b_id, reply.body, 2.2) == [] and a.stats["average_applied"] == 1
+    for t in (a, b):
+        t.outer.rewind(t.learner.params)
+    assert rms(a.learner.params, b.learner.params) < 1e-4  # was 2.6e-3 (full), 9e-4 (subset)

@@ -36,6 +36,7 @@ import numpy as np
 from p2ptrain.codecs import DEFAULT_CHUNK, Codec, CodecError, Message, parse_message
 from p2ptrain.codecs.kernels import BLOCK, all_finite, blocks, sum_squares
 from p2ptrain.codecs.wire import Origin, chunk_bounds, encode_chunk
+from p2ptrain.optim import Progress
 from p2ptrain.proto.gossip.plan import AveragingPlan
 
 _MASK64 = (1 << 64) - 1
@@ -175,8 +176,15 @@ class ParameterAverager:
     """One node's side of push-pull averaging, one exchange open at a time."""
 
     def __init__(self, plan: AveragingPlan, chunk_elems: int = DEFAULT_CHUNK,
-                 max_distance: float = math.inf):
+                 max_distance: float = math.inf, anchor: Progress | None = None):
         self.plan = plan
+        # outer steps that rewind (outer.py): the replica goes back to x + d at the round's
+        # end, so the snapshots are x + d (d: `anchor`, the round's progress in bfloat16) and
+        # a half step moves x by the anchors' difference; snapshots of x would carry each
+        # side's partial progress into the other's anchor (their difference survives the
+        # rewind and pushes the anchors apart)
+        self.anchor = anchor
+        self._bits = np.zeros(0, np.uint16)  # d of one part, gathered
         self.codec = plan.codec()
         self.chunk_elems = chunk_elems  # elements per chunk message
         self.max_distance = max_distance  # refuse a peer farther than this (RMS)
@@ -209,8 +217,15 @@ class ParameterAverager:
             b = self.plan.block
             runs = runs[lo // b : -(-hi // b)]
         self._lo = lo
-        m = self._gather(params, runs, hi - lo)
+        m = self._gather(params, runs, hi - lo, self._snap)
         snap = self._snap[:m]
+        if self.anchor is not None:
+            if self._bits.shape[0] < m:
+                self._bits = np.zeros(self._snap.shape[0], np.uint16)
+            self._gather(self.anchor.bits, runs, hi - lo, self._bits)
+            for start, stop in blocks(m):  # snap += bfloat16(d), a sub-block at a time
+                snap[start:stop] += np.left_shift(self._bits[start:stop], 16,
+                                                  dtype=np.uint32).view(np.float32)
         if not all_finite(snap):
             raise ValueError("own parameters are not finite")
         if self.plan.values != "fp32":  # round in place exactly as the peer will decode:
@@ -344,18 +359,20 @@ class ParameterAverager:
                 or params.shape != (self.plan.n,) or not params.flags.c_contiguous):
             raise TypeError(f"params must be a contiguous float32 array of ({self.plan.n},)")
 
-    def _gather(self, params: np.ndarray, runs: np.ndarray | None, length: int) -> int:
+    def _gather(self, src: np.ndarray, runs: np.ndarray | None, length: int,
+                dst: np.ndarray) -> int:
+        """dst[:m] = the part's coordinates of `src` (a vector of n); returns m."""
         if runs is None:
             lo = self._lo
-            np.copyto(self._snap[:length], params[lo : lo + length])
+            np.copyto(dst[:length], src[lo : lo + length])
             return length
         b = self.plan.block
         whole, tail = self.plan.split(runs)
         k = whole.shape[0]
-        grid = params[: (self.plan.n // b) * b].reshape(-1, b)
-        np.take(grid, whole, axis=0, out=self._snap[: k * b].reshape(k, b), mode="clip")
+        grid = src[: (self.plan.n // b) * b].reshape(-1, b)
+        np.take(grid, whole, axis=0, out=dst[: k * b].reshape(k, b), mode="clip")
         if tail:
-            self._snap[k * b : k * b + tail] = params[self.plan.n - tail :]
+            dst[k * b : k * b + tail] = src[self.plan.n - tail :]
         return k * b + tail
 
 

@@ -239,10 +239,10 @@ class GradientMixer:
         a vector whose last chunk makes its total norm absurd, whole): the parsed
         chunk and its squared norm, or CodecError (malformed or norm) if the peer misbehaved:
         framing, (from a peer, `sender` its id:) another codec than the swarm's, checked
-        before decoding, or another sender, payload, non-finite values, wrong vector length, bad weight,
-        a duplicate or inconsistent chunk, an absurd chunk norm, or a last chunk that makes
-        its vector's total norm absurd. Call it before anything else of the message is acted
-        on."""
+        before decoding, or another sender, payload, non-finite values, wrong vector length,
+        bad weight, a duplicate or inconsistent chunk, an absurd chunk norm, or a last chunk
+        that makes its vector's total norm absurd. Call it before anything else of the message
+        is acted on."""
         try:
             message = msg if isinstance(msg, Message) else parse_message(msg)
             if sender is not None and message.codec != self.codec:

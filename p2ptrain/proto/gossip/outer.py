@@ -15,7 +15,10 @@ Every H local steps:
    last outer step (the gradient mixer: sample weights, median-norm clipping), times lr.
 
 So replicas restart every round from an anchor they (nearly) share, and what is not sent yet
-waits in e instead of pulling the replicas apart. With lr 1, beta 0, no compression and every
+waits in e instead of pulling the replicas apart. Parameter averaging beside (`average_every`)
+averages the anchors, x + d, not the replicas (averaging.py: `ParameterAverager.anchor`):
+the rewind takes back only the own steps, so a mid-round snapshot of x would leave the two
+sides' partial progress in each other's anchor. With lr 1, beta 0, no compression and every
 peer's c it is exactly averaging the replicas' progress. Bytes per round: fanout compressed
 vectors, against one dense vector per *step* for gradient exchange. Extra state: d in
 bfloat16 (2 bytes a parameter) and e in `outer_feedback_bits` (owed8.py: 8 bits and a scale

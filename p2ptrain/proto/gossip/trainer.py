@@ -105,8 +105,9 @@ class GossipTrainer:
         self.mixer = GradientMixer(config if self.outer is None else replace(
             config, max_staleness_samples=OUTER_STALENESS), n, self.node_id)
         self.plan = config.averaging_plan(n, flops_per_coordinate(learner.model, n))
-        self.initiator = ParameterAverager(self.plan, chunk_elems)  # exchanges we open
-        self.responder = ParameterAverager(self.plan, chunk_elems)  # exchanges we answer
+        anchor = self.outer.progress if self.outer is not None and self.outer.rewinds else None
+        self.initiator = ParameterAverager(self.plan, chunk_elems, anchor=anchor)  # we open
+        self.responder = ParameterAverager(self.plan, chunk_elems, anchor=anchor)  # we answer
         self.peers = PeerTable()  # RTT and bandwidth per peer: how push targets are chosen
         self.guard = config.distance_guard()  # which averaging snapshots are too far
         self.exchange: Exchange | None = None
