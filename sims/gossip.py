@@ -9,7 +9,9 @@ Each machine runs one `p2ptrain.proto.node.Node`. The driver performs its action
   when nothing is rescaled), a reply marked as such (it passes NAT), a gradient push marked
   droppable (the outbox's in-flight limit); it is delivered as the same `Envelope` object,
   and one lost on a lossy link is sent again after TCP's retransmission timeout (the
-  runtime's messages go over TCP, which loses none; a partition or a dead peer still ends it);
+  runtime's messages go over TCP, which loses none; a partition or a dead peer still ends it;
+  an averaging request that reaches a dead machine is answered `Unanswered`, as the
+  runtime's refused connection is);
 - `SaveCheckpoint`: the leader's replica and swarm counter are kept as "the latest
   checkpoint"; `FetchCheckpoint` (a joining node, e.g. a machine back from a failure with
   nothing of its own) moves it over the network at its charged size from the source the node
@@ -45,6 +47,7 @@ import numpy as np
 from p2ptrain.proto import (
     GOSSIP_BODIES,
     AdoptCheckpoint,
+    AverageRequest,
     CheckpointFetched,
     Discovered,
     FetchCheckpoint,
@@ -63,6 +66,7 @@ from p2ptrain.proto import (
     Send,
     StepDone,
     Tick,
+    Unanswered,
     consensus_distance,
 )
 from sims.charge import ModelSize
@@ -390,7 +394,11 @@ class GossipSim:
                           bulk=isinstance(body, GOSSIP_BODIES), on_lost=lost)
 
     def deliver(self, dst: int, src: int, envelope) -> None:
-        if self.machines[dst].node is None:
+        if self.machines[dst].node is None:  # a request to a process that is gone fails at
+            body = envelope.body  # once (connection refused): the runtime says Unanswered
+            if type(body) is AverageRequest and self.machines[src].node is not None:
+                self.handle(src, Unanswered(self.world.members[dst].node_id, body.seed,
+                                            body.part))
             return
         self.handle(dst, Received(self.world.members[src].addr, envelope))
 

@@ -34,7 +34,7 @@ from p2ptrain.net.pacing import TokenBucket, paced
 from p2ptrain.net.refusals import RefusalWatch
 from p2ptrain.net.routes import MAX_REPLY, read_limited, route_of
 from p2ptrain.net.sent import SentByKind
-from p2ptrain.proto import RemoteProtocolError, Send, wire
+from p2ptrain.proto import AverageRequest, RemoteProtocolError, Send, wire
 
 if TYPE_CHECKING:
     from p2ptrain.proto import NodeConfig
@@ -102,6 +102,9 @@ class Outbox:
         self.receivers = Receivers(lambda: self.control_session, lambda: self.signer)
         self.refusals: RefusalWatch | None = None  # see `open`
         self.seeds: set[str] = set()  # seeds' addresses: their refusals judge our key
+        # (peer, seed, part, timed out): an averaging request's POST is over, its response's
+        # frames handled -- if the exchange still waits on that part, no reply will come
+        self.on_unanswered: Callable[[str, int, int, bool], None] | None = None
 
     def send(self, action: Send) -> None:
         """Start posting `action.envelope` to `action.addr` (returns at once)."""
@@ -116,7 +119,10 @@ class Outbox:
             return
         if bulk:
             self.in_flight[action.addr] += 1
-        task = asyncio.get_running_loop().create_task(self._post(action.addr, route, data, bulk))
+        body = action.envelope.body
+        ask = (action.to, body.seed, body.part) if type(body) is AverageRequest else None
+        task = asyncio.get_running_loop().create_task(self._post(action.addr, route, data, bulk,
+                                                                 ask))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -140,7 +146,9 @@ class Outbox:
             self.sent.add(frame)
         return frames
 
-    async def _post(self, addr: str, route: str, data: bytes, bulk: bool) -> None:
+    async def _post(self, addr: str, route: str, data: bytes, bulk: bool,
+                    ask: tuple[str | None, int, int] | None = None) -> None:
+        timed_out = False
         timeout = aiohttp.ClientTimeout(
             total=self.average_timeout if route == "/v1/average" else
             BULK_TIMEOUT if bulk else CONTROL_TIMEOUT, sock_connect=CONNECT_TIMEOUT)
@@ -190,6 +198,7 @@ class Outbox:
                 self.refusals.refused(addr, str(exc))
         except (aiohttp.ClientError, TimeoutError, OSError, AuthError, HelloError,
                 RemoteProtocolError) as exc:
+            timed_out = isinstance(exc, TimeoutError)
             self._failed(addr, route, exc)
             if self.refusals is not None:
                 self.refusals.failed(addr)
@@ -198,6 +207,8 @@ class Outbox:
                 self.in_flight[addr] -= 1
                 if self.in_flight[addr] <= 0:
                     del self.in_flight[addr]
+        if ask is not None and ask[0] and self.on_unanswered is not None:
+            self.on_unanswered(ask[0], ask[1], ask[2], timed_out)
 
     def _failed(self, addr: str, route: str, exc: BaseException) -> None:
         self.failures[addr] += 1

@@ -1,15 +1,16 @@
 """The asyncio runtime of a networked node: it drives the sans-IO `Node` for real.
 
 One event loop owns the node and calls `node.handle(now, event)` with its monotonic clock.
-Actions become I/O: Send -> a POST (outbox.py) or the response to the request it answers;
-RunStep -> a step in the step thread (steps.py) -> StepDone; SaveCheckpoint -> a write in the
-I/O thread (saving.py); LeaderChanged -> the led term persisted; FetchCheckpoint -> a fetch
-(joinflow.py) -> CheckpointFetched; AdoptCheckpoint -> the weights loaded; Finished -> stop.
-Around it: the HTTP server (server.py), mDNS and seeds (discovery.py), the progress line
-(progress.py), the alone loop's schedule (housekeeping.py). On SIGINT/SIGTERM: finish the
-step in flight, resign and leave, write the resume state if it fits in the grace period,
-say the mDNS goodbye, exit 0; a second signal exits at once. A failed step or a diverged run
-(housekeeping.py: nothing more is written) exits 1. Helpers get narrow callables only.
+Actions become I/O: Send -> a POST (outbox.py; an averaging request's, once over, ->
+Unanswered) or the response to the request it answers; RunStep -> a step in the step thread
+(steps.py) -> StepDone; SaveCheckpoint -> a write in the I/O thread (saving.py);
+LeaderChanged -> the led term persisted; FetchCheckpoint -> a fetch (joinflow.py) ->
+CheckpointFetched; AdoptCheckpoint -> the weights loaded; Finished -> stop. Around it: the
+HTTP server (server.py), mDNS and seeds (discovery.py), the progress line (progress.py), the
+alone loop's schedule (housekeeping.py). On SIGINT/SIGTERM: finish the step in flight, resign
+and leave, write the resume state if it fits in the grace period, say the mDNS goodbye, exit
+0; a second signal exits at once. A failed step or a diverged run (housekeeping.py: nothing
+more is written) exits 1. Helpers get narrow callables only.
 """
 
 from __future__ import annotations
@@ -72,13 +73,13 @@ class Runtime:
         self.stats: dict[str, int] = {}
         self.stop_reason: str | None = None
         self.exit_code = 0
-        self._signalled = self._stopping = self.broken = False  # broken: internal error
+        # broken: internal error; switch pending: to outbound-only, at the next step boundary
+        self._signalled = self._stopping = self.broken = self._switch_pending = False
         self._stop = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._first = FirstExchange(reporter)  # says when the first peer gradient came
         self.outbound_only = settings.net.outbound_only
         self.inbound = 0  # authenticated messages peers sent us (reachability)
-        self._switch_pending = False
 
     def now(self) -> float:
         return self.loop.time() - self.t0
@@ -220,8 +221,7 @@ class Runtime:
         if eval_loss is not None:
             self.handle(proto.Evaluated(eval_loss))
             self.reporter.evaluated(learner.step, eval_loss, self.steps.average_eval, now)
-        bound = self.plan.stop_reason(now, learner.step)
-        if bound:
+        if bound := self.plan.stop_reason(now, learner.step):
             self.request_stop(bound)
         if not self.node.is_leader and self.plan.save_due(now, learner.step):
             self.saver.save(self.node.control.term, reason="local")
@@ -255,8 +255,7 @@ class Runtime:
     def _become_outbound_only(self) -> None:
         """Rejoin under a new incarnation as an outbound-only member (a member's info is
         fixed for one incarnation), keeping the learner and the known peers."""
-        self._switch_pending = False
-        self.outbound_only = True
+        self._switch_pending, self.outbound_only = False, True
         old = self.node
         self.identity = load_or_create(self.state_dir)  # bumps the incarnation
         self.signer = Signer(self.signer.keys, self.node_id, self.identity.incarnation)
@@ -333,6 +332,7 @@ class Runtime:
                                   self.outbound_only, self.settings.gossip)
             self.outbox = Outbox.open(self.signer, self.bucket, self.on_frames, reporter,
                                       self.settings.node, net.refused_seconds, self.request_stop)
+            self.outbox.on_unanswered = lambda *ask: self.handle(proto.Unanswered(*ask))
             self.fetcher = JoinFetcher(self.outbox.session, self.signer, self.state_dir,
                                        self.learner.fingerprint, self.io_pool, self.handle,
                                        reporter, self.learner.judge_checkpoint,

@@ -42,6 +42,7 @@ from p2ptrain.proto.events import (
     Send,
     StepDone,
     Tick,
+    Unanswered,
 )
 from p2ptrain.proto.gossip.averaging import consensus_distance
 from p2ptrain.proto.gossip.config import GossipConfig
@@ -79,7 +80,7 @@ __all__ = [
     "PlainEncoder",
     "Progress", "ProtoConfig", "Reading", "Received", "Refused", "RemoteError",
     "RemoteProtocolError", "RunStep", "SaveCheckpoint", "Send", "StepDone", "Tick", "TrackAck",
-    "TrackPush", "Update",
+    "TrackPush", "Unanswered", "Update",
     "consensus_distance", "decode", "differing_keys", "encode", "fingerprint_of", "messages",
     "register", "wire",
 ]

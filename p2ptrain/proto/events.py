@@ -105,6 +105,19 @@ class CheckpointFetched(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class Unanswered(Event):
+    """The driver's request carrying part `part` of averaging exchange `seed` to `peer` is
+    over (failed, refused, or answered) and whatever reply it brought was delivered: if the
+    exchange still waits on that part, no reply will come (training nodes only). Without it
+    the exchange waits for its give-up."""
+
+    peer: str  # node id the request went to
+    seed: int
+    part: int
+    timed_out: bool = False  # the request ran out of time (a bandwidth signal)
+
+
+@dataclass(frozen=True, slots=True)
 class Evaluated(Event):
     """The driver measured the held-out loss of the replica (for status; training nodes)."""
 

@@ -5,7 +5,9 @@ object -- the only thing a driver (the asyncio runtime, the simulator, a test) t
     for action in node.handle(now, event):      # Tick, Received, Discovered, StepDone, ...
         RunStep  -> loss = learner.compute_gradient() off the loop (thread / modelled time),
                     then node.handle(later, StepDone(action.step, loss))
-        Send     -> wire.encode(action.envelope), POST it (reply=True: in the response)
+        Send     -> wire.encode(action.envelope), POST it (reply=True: in the response);
+                    an AverageRequest's POST over, its response's frames handled:
+                    node.handle(now, Unanswered(to, seed, part, timed_out))
         SaveCheckpoint, LeaderChanged, Finished, MemberUp/Down, RemoteError ... as for Control
     wake at node.next_deadline() with Tick()
 
@@ -77,6 +79,7 @@ from p2ptrain.proto.events import (
     Send,
     StepDone,
     Tick,
+    Unanswered,
 )
 from p2ptrain.proto.gossip.messages import (
     GOSSIP_BODIES,
@@ -90,8 +93,9 @@ from p2ptrain.proto.gossip.trainer import GossipTrainer, TooFar
 from p2ptrain.proto.joining import FETCHING, Join, median_loss, preferred, sources
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
 from p2ptrain.proto.nodeconfig import NodeConfig
+from p2ptrain.proto.nodestatus import node_status
 from p2ptrain.proto.offenders import Offenders
-from p2ptrain.proto.records import ALIVE, MemberInfo, holding_doc
+from p2ptrain.proto.records import ALIVE, MemberInfo
 
 if TYPE_CHECKING:
     from p2ptrain.learner import Learner
@@ -200,6 +204,9 @@ class Node:
             actions = []
         elif kind is Holds:
             self.control.membership.holdings.own(event.holding)
+            actions = []
+        elif kind is Unanswered:  # an averaging request's reply cannot come any more
+            self.trainer.unanswered(now, event.peer, event.seed, event.part, event.timed_out)
             actions = []
         elif kind in (Tick, Discovered, Leave):
             actions = self.control.handle(now, event)
@@ -412,39 +419,4 @@ class Node:
 
     def status(self) -> dict[str, Any]:
         """This node as plain data, the `/v1/status` document (`swarm` is the driver's)."""
-        learner, trainer = self.learner, self.trainer
-        rows = self.control.status()
-        holdings = self.control.membership.holdings
-        members = []
-        for row in rows[1:]:
-            peer = row["node_id"]
-            stats = trainer.peers.get(peer)
-            step, loss = trainer.peer_progress.get(peer, (None, None))
-            members.append({
-                "node_id": peer, "addr": row["addr"], "state": row["state"],
-                "device_class": row["device_class"], "outbound_only": row["outbound_only"],
-                "leader": row["leader"], "step": step, "loss": loss, "samples": row["samples"],
-                "samples_per_s": self.control.sample_rate(peer),
-                "bytes_in": self.bytes_in[peer], "bytes_out": self.bytes_out[peer],
-                "rtt_ms": None if stats.rtt is None else stats.rtt * 1e3,
-                "bandwidth": stats.bandwidth, "holds": holding_doc(holdings.of(peer)),
-                "gradients_used": trainer.mixer.used[bytes.fromhex(peer)],
-                "averages_refused": trainer.guard.refused[peer]})
-        mix = trainer.last_mix
-        return {
-            "node_id": self.node_id, "device_class": rows[0]["device_class"],
-            "phase": self.phase, "step": learner.step,
-            "join": {"state": self.join.state, "attempts": self.join.attempt,
-                     "reason": self.join.reason, "steps": self.join_steps},
-            "loss": self.loss, "eval_loss": self.eval_loss, "samples": learner.samples,
-            "swarm_samples": learner.count.total, "leader": self.control.leader,
-            "term": self.control.term, "is_leader": self.control.is_leader,
-            "holds": holding_doc(holdings.mine),
-            "bytes_in": sum(self.bytes_in.values()), "bytes_out": sum(self.bytes_out.values()),
-            "consensus_distance": trainer.distance, "skipped_steps": self.skipped,
-            "peers_last_mix": 0 if mix is None else len(mix.peers),
-            "gossip": {**trainer.stats, "average_fallbacks": trainer.guard.fallbacks},
-            "drops": dict(trainer.mixer.drops),
-            "members": members,
-            "offenders": self.offenders.status(self.control.now),
-        }
+        return node_status(self)

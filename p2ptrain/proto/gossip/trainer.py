@@ -28,7 +28,10 @@ Give-up: each part waits for its reply until a deadline that grows with its byte
 bandwidth measured to the peer (`give_up_seconds`: `average_timeout_margin` x the expected
 time, within [`average_timeout`, `average_timeout_max`]); a part given up lowers that peer's
 bandwidth estimate. No part is sent once the exchange has run `average_timeout_max`; nor
-waited for once the membership finds its partner dead (`life_of`): it ends at the next tick.
+waited for once the membership finds its partner dead (`life_of`): it ends at the next tick;
+nor once the driver says the part's request is over without its reply (`unanswered`: a
+refused connection, a refusal, a request timed out). Averaging requests are answered by
+answer.py's `respond`.
 
 Tracking (`track_peers` > 0, tracking.py): after each step the node also pushes the sign of
 its replica minus its public copy to the fastest and moves toward its copies (`track_step`).
@@ -49,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2ptrain.codecs import CodecError, Message
+from p2ptrain.proto.gossip.answer import crossing, respond, serve_latest
 from p2ptrain.proto.gossip.averaging import (
     HeldDeltas,
     ParameterAverager,
@@ -151,7 +155,7 @@ class GossipTrainer:
             return None
         snap = read_part(self.plan, self.initiator.codec, raw_id, body.chunks, body.seed,
                          body.part, body.parts)
-        if isinstance(body, AverageRequest) and not decline and not self._crossing(sender):
+        if isinstance(body, AverageRequest) and not decline and not crossing(self, sender):
             self.responder.begin(self.learner.params, body.seed, body.part)  # a read
             try:
                 distance = self.responder.distance(snap)
@@ -164,14 +168,6 @@ class GossipTrainer:
                     and ex.part == body.part and self.initiator.is_open):
                 self._judge(sender, self.initiator.distance(snap), ours=True)
         return snap
-
-    def _crossing(self, sender: str) -> bool:
-        """`sender`'s request crosses the exchange this node opened with it, reply awaited:
-        answering both swaps the replicas (each half step is from the two snapshots), so
-        the node with the smaller id declines; the other answers, and both land on the mean."""
-        ex = self.exchange
-        return (ex is not None and ex.peer == sender and self.initiator.is_open
-                and self.node_id < sender)
 
     def _judge(self, sender: str, distance: float, ours: bool = False) -> None:
         reason = self.guard.judge(sender, distance)
@@ -205,12 +201,12 @@ class GossipTrainer:
             self.peer_progress[sender] = (body.step, body.loss)
             self.stats[f"gradient_{arrival.value}"] += 1
             if isinstance(body, GradientPush) and outbound_sender:
-                self._serve_latest(sender, addr, out)
+                serve_latest(self, sender, addr, out)
         elif isinstance(body, AverageRequest):
             self.peer_progress[sender] = (body.step, body.loss)
             if not decline:  # a joiner's counters move only with the replica it adopts
                 learner.count.merge(counts)
-            self._respond(sender, addr, body, parsed, busy, decline, out)
+            respond(self, sender, addr, body, parsed, busy, decline, out)
         elif isinstance(body, AverageReply):
             if body.loss is not None:  # (not a refusal, which carries none)
                 self.peer_progress[sender] = (body.step, body.loss)
@@ -235,41 +231,6 @@ class GossipTrainer:
                     self.next_part = nxt  # its reply could not be held: after the step
                 else:
                     self._send_part(now, *nxt, out)
-
-    def _serve_latest(self, sender: str, addr: str, out: list[Out]) -> None:
-        if self.latest is None:
-            return
-        step, loss, chunks = self.latest
-        if self.served.get(sender, 0) >= step:
-            return
-        self.served[sender] = step
-        out.extend(Out(sender, addr, GradientReply(step, loss, c), reply=True) for c in chunks)
-        self.stats["gradient_replies"] += 1
-
-    def _respond(self, sender: str, addr: str, body: AverageRequest, snap: PeerSnapshot,
-                 busy: bool, decline: bool, out: list[Out]) -> None:
-        learner = self.learner
-        chunks: tuple[bytes, ...] = ()
-        if not decline and busy and not self.held.room(self._part_size(body.seed, body.part)):
-            decline = True  # its half step could not be held until the step boundary
-            self.stats["average_declined_held_full"] += 1
-        elif not decline and self._crossing(sender):
-            decline = True
-            self.stats["average_declined_crossing"] += 1
-        if not decline:
-            # a read: allowed while busy
-            self.responder.begin(learner.params, body.seed, body.part)
-            chunks = tuple(bytes(c) for c in self.responder.messages(self.sender,
-                                                                     learner.count.total))
-        out.append(Out(sender, addr, AverageReply(body.seed, learner.step,
-                                                  learner.count.as_dict(), chunks,
-                                                  body.part, body.parts, self.loss), reply=True))
-        if decline:
-            self.stats["average_declined_by_us"] += 1
-            return
-        self.stats["average_answered"] += 1
-        self.answered.add(sender)
-        self._finish(self.responder, snap, busy)
 
     # -- parameter writes ---------------------------------------------------------------------
 
@@ -427,11 +388,23 @@ class GossipTrainer:
         ex = self.exchange
         gone = ex is not None and ex.life is not None and self.life_of(ex.peer) is None
         if ex is not None and (now >= ex.deadline or gone):  # (gone: found dead, so no reply
-            self.exchange = None  # comes: the slot is free at once, not after 90 s or more)
-            self.initiator.abort()
-            self.stats["average_partner_gone" if gone else "average_timeout"] += 1
-            if not gone:  # given up: the link is slower than measured
-                self.peers.observe_shortfall(ex.peer, 2 * ex.sent, now - ex.started)
+            # comes: the slot is free at once, not after 90 s or more; given up: the link is
+            # slower than measured)
+            self._end(now, "average_partner_gone" if gone else "average_timeout", not gone)
+
+    def unanswered(self, now: float, peer: str, seed: int, part: int, timed_out: bool) -> None:
+        """The request of part `part` of exchange `seed` to `peer` is over without its reply
+        (the `Unanswered` event): the exchange ends now instead of at its give-up."""
+        ex = self.exchange
+        if ex is not None and (ex.peer, ex.seed, ex.part) == (peer, seed, part):
+            self._end(now, "average_unanswered", timed_out)
+
+    def _end(self, now: float, stat: str, shortfall: bool) -> None:
+        ex, self.exchange = self.exchange, None
+        self.initiator.abort()
+        self.stats[stat] += 1
+        if shortfall:
+            self.peers.observe_shortfall(ex.peer, 2 * ex.sent, now - ex.started)
 
     def close(self, replaced: bool = False) -> None:
         """Stop: forget the open exchange and held results; `replaced`: the outer round too."""

@@ -1,0 +1,67 @@
+"""How a node's gossip trainer answers what peers start (trainer.py owns the state): an
+averaging request, answered from a snapshot of the replica's covered coordinates or declined,
+and an outbound-only member's gradient push, answered with this node's latest gradient.
+
+A request is declined while the node joins (`decline`), when its half step could not be held
+until the step boundary (a step is outstanding and the held store is full), and when it
+crosses the exchange this node opened with the same peer and still waits on: each side's
+half step is taken from the two snapshots, so answering both would move each replica all the
+way to the other's -- they would swap and stay as far apart. The node with the smaller id
+declines; the other answers, and both land on the mean. `t` is the GossipTrainer. Pure: no
+I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from p2ptrain.proto.gossip.averaging import PeerSnapshot
+from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest, GradientReply
+from p2ptrain.proto.messages import Out
+
+
+def crossing(t: Any, sender: str) -> bool:
+    """Whether `sender`'s request crosses the exchange `t` opened with it (reply awaited) and
+    `t` is the side that declines."""
+    ex = t.exchange
+    return (ex is not None and ex.peer == sender and t.initiator.is_open
+            and t.node_id < sender)
+
+
+def respond(t: Any, sender: str, addr: str, body: AverageRequest,
+            snap: PeerSnapshot, busy: bool, decline: bool, out: list[Out]) -> None:
+    """Answer (or decline) `sender`'s averaging request; the half step goes to the parameters,
+    or into the held half steps while `busy`."""
+    learner = t.learner
+    chunks: tuple[bytes, ...] = ()
+    if not decline and busy and not t.held.room(t._part_size(body.seed, body.part)):
+        decline = True  # its half step could not be held until the step boundary
+        t.stats["average_declined_held_full"] += 1
+    elif not decline and crossing(t, sender):
+        decline = True
+        t.stats["average_declined_crossing"] += 1
+    if not decline:  # a read: allowed while busy
+        t.responder.begin(learner.params, body.seed, body.part)
+        chunks = tuple(bytes(c) for c in t.responder.messages(t.sender, learner.count.total))
+    out.append(Out(sender, addr, AverageReply(body.seed, learner.step, learner.count.as_dict(),
+                                              chunks, body.part, body.parts, t.loss),
+                   reply=True))
+    if decline:
+        t.stats["average_declined_by_us"] += 1
+        return
+    t.stats["average_answered"] += 1
+    t.answered.add(sender)  # just averaged: no exchange of our own with it this step
+    t._finish(t.responder, snap, busy)
+
+
+def serve_latest(t: Any, sender: str, addr: str, out: list[Out]) -> None:
+    """An outbound-only member pushed: return `t`'s latest gradient in the response, once per
+    own step (nobody can connect to that member to push it)."""
+    if t.latest is None:
+        return
+    step, loss, chunks = t.latest
+    if t.served.get(sender, 0) >= step:
+        return
+    t.served[sender] = step
+    out.extend(Out(sender, addr, GradientReply(step, loss, c), reply=True) for c in chunks)
+    t.stats["gradient_replies"] += 1

@@ -1,0 +1,185 @@
+"""An averaging request whose reply cannot come any more ends its exchange at once (the
+`Unanswered` event), instead of holding the node's one exchange slot until its give-up (90 s
+or more). The reply of an averaging part travels in the response to its request; the
+runtime's outbox reports each request's end -- failed, refused, timed out or answered -- after
+the response's frames were handled, and the trainer ends the exchange if it still waits on
+that part. A partner that restarted (connection refused) or refused the request unread (not a
+member yet, an offender) used to leave the exchange waiting.
+
+The trainer in memory (virtual time), and the outbox against a real HTTP server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from p2ptrain.codecs import encode_vector, make_codec
+from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
+from p2ptrain.net.outbox import Outbox
+from p2ptrain.net.pacing import TokenBucket
+from p2ptrain.net.server import Served, build_app, listen
+from p2ptrain.proto import Send, Unanswered, wire
+from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
+from p2ptrain.proto.messages import PROTOCOL_VERSION, Envelope, Header
+from p2ptrain.proto.node import NodeConfig
+from p2ptrain.report import Reporter
+from tests.proto_samples import A, B, C
+from tests.test_gossip_crossing import open_exchange, trainer
+from tests.test_pacing import until
+
+KEY = derive_mac_key(bytes(range(32)))
+
+
+# -- the trainer ------------------------------------------------------------------------------
+
+
+def test_an_unanswered_part_ends_its_exchange_and_nothing_else():
+    t = trainer(A, 1)
+    request = open_exchange(t, 10.0, (B,))
+    ex = t.exchange
+    seed, part = request.body.seed, request.body.part
+    for other in ((C, seed, part), (B, seed + 1, part), (B, seed, part + 1)):
+        t.unanswered(11.0, *other, False)  # another exchange's request: not ours
+        assert t.exchange is ex
+    bandwidth = t.peers.get(B).bandwidth
+    t.unanswered(11.0, B, seed, part, False)
+    assert t.exchange is None and not t.initiator.is_open
+    assert t.stats["average_unanswered"] == 1 and t.stats["average_timeout"] == 0
+    assert t.peers.get(B).bandwidth == bandwidth  # a refused connection says nothing of it
+    t.unanswered(12.0, B, seed, part, False)  # once over, a repeat changes nothing
+    assert t.stats["average_unanswered"] == 1
+    # the next due step opens another exchange at once (it waited 90 s for the give-up)
+    assert open_exchange(t, 12.0, (B,)).to == B
+
+
+def test_a_request_that_timed_out_says_the_link_is_slower_than_measured():
+    t = trainer(A, 1)
+    t.peers.observe_transfer(B, 10_000_000, 10_000_000, 1.0, 0.0)  # 20 MB/s measured
+    request = open_exchange(t, 10.0, (B,))
+    t.unanswered(10.0 + 80.0, B, request.body.seed, request.body.part, True)
+    assert t.exchange is None
+    assert t.peers.get(B).bandwidth == pytest.approx(2 * t.stats["average_bytes_sent"] / 80.0)
+
+
+def test_a_node_hands_the_event_to_its_trainer():
+    from tests.test_node import cluster
+
+    c = cluster(3, step_seconds=0.25, gossip=GossipConfig(
+        fanout=0, average_every=2, averaging="full", average_every_fast=0))
+    c.run_until(4.0)
+    node = c.training_node(0)
+    while node.trainer.exchange is None:
+        c.run_until(c.now + 0.001)
+    ex = node.trainer.exchange
+    node.handle(c.now, Unanswered(ex.peer, ex.seed, ex.part + 1))  # another part: not it
+    assert node.trainer.exchange is ex
+    node.handle(c.now, Unanswered(ex.peer, ex.seed, ex.part))
+    assert node.trainer.exchange is None
+    assert node.status()["gossip"]["average_unanswered"] == 1
+
+
+# -- the outbox, over HTTP ----------------------------------------------------------------------
+
+
+class Host:
+    """The receiving side's host: answers averaging requests as `mode` says."""
+
+    def __init__(self, mode: str):
+        self.node_id, self.mode = B, mode
+
+    def count(self, what: str) -> None:
+        pass
+
+    def deliver(self, envelope, remote, sender, size):
+        if self.mode == "slow":
+            time.sleep(2.0)  # past the request's time limit (0.9 s): the client gives up
+        if self.mode == "refuse":
+            return 400, [], "not a member"
+        body = envelope.body
+        reply = Envelope(Header(PROTOCOL_VERSION, B, 1, "127.0.0.1:9", "0" * 16, 0, 1, 2, None,
+                                ()), AverageReply(body.seed, 1, {}, (), body.part, body.parts))
+        return 200, [wire.encode(reply)], ""
+
+    def status(self) -> dict:
+        return {"node_id": self.node_id}
+
+    def health(self) -> dict:
+        return {"ok": True}
+
+    def swarm_config(self) -> dict:
+        return {"swarm": "test", "options": {}}
+
+
+class ServerThread:
+    """A real server in a thread of its own (its host may block, as a busy node's can)."""
+
+    def __init__(self, host: Host, tmp: Path):
+        self.host, self.tmp, self.port = host, tmp, None
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        served = Served(self.host, ServerAuth(KEY, B, 1), TokenBucket(0), True)
+        self.runner = web.AppRunner(build_app(served, lambda: self.tmp), access_log=None)
+        self.loop.run_until_complete(self.runner.setup())
+        self.port = self.loop.run_until_complete(listen(self.runner, "127.0.0.1", 0))
+        self.ready.set()
+        self.loop.run_forever()
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        assert self.ready.wait(30), "the server did not start"
+        return f"127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+def request(seed: int, part: int) -> Envelope:
+    values = np.full(256, 1e-3, np.float32)
+    (chunk,) = encode_vector(make_codec("fp16"), values, sender_id=bytes.fromhex(A),
+                             swarm_samples=1, weight=1.0, seed=seed)
+    return Envelope(Header(PROTOCOL_VERSION, A, 1, "127.0.0.1:9", "0" * 16, 0, seed, 2, None,
+                           ()), AverageRequest(seed, 1, {}, (bytes(chunk),), part, 3))
+
+
+async def post_one(addr: str, seed: int, part: int) -> list[tuple]:
+    """Post one averaging request through a real outbox; what it reported, in order."""
+    events: list[tuple] = []
+    config = NodeConfig(average_timeout=1.0, gossip=GossipConfig(average_timeout_max=1.0))
+    outbox = Outbox.open(Signer(KEY, A, 1), TokenBucket(0),
+                         lambda a, frames: events.append(("frames", len(frames))),
+                         Reporter("json", out=io.StringIO(), err=io.StringIO()), config)
+    outbox.on_unanswered = lambda *ask: events.append(("unanswered", *ask))
+    try:
+        outbox.send(Send(B, addr, request(seed, part)))
+        await until("the request's end", lambda: any(e[0] == "unanswered" for e in events), 30)
+    finally:
+        await outbox.close()
+    return events
+
+
+@pytest.mark.parametrize("mode", ["reply", "refuse", "slow"])
+def test_the_outbox_reports_every_averaging_requests_end_after_its_frames(tmp_path, mode):
+    with ServerThread(Host(mode), tmp_path) as addr:
+        events = asyncio.run(post_one(addr, 77, 1))
+    end = ("unanswered", B, 77, 1, mode == "slow")
+    assert events == ([("frames", 1), end] if mode == "reply" else [end])
+
+
+def test_the_outbox_reports_a_request_to_a_closed_port(tmp_path):
+    with ServerThread(Host("reply"), tmp_path) as addr:
+        pass  # the server is gone: connection refused
+    assert asyncio.run(post_one(addr, 5, 0)) == [("unanswered", B, 5, 0, False)]
