@@ -102,5 +102,26 @@ def test_no_exchange_is_opened_with_a_peer_just_answered():
             assert a.stats["average_just_answered"] == 1
         else:  # with another partner it opens with that one
             assert open_exchange(a, now + 0.5, (B, C)).to == C
-    a.close()
-    assert open_exchange(a, 12.0, (B,)).to == B  # the step after: b is a partner again
+            a.close()
+    # a answered nothing since its last step: b is a partner again
+    assert open_exchange(a, 12.0, (B,)).to == B
+
+
+def test_a_peer_is_no_partner_while_the_reply_to_it_may_be_on_its_way():
+    """On a slow link the reply to b's request can take longer than a's steps; an exchange
+    a opened meanwhile would find b's still open, and b (the larger id) would answer it:
+    both moved twice, half a swap (distance 0.071 -> 0.036 where ~0 was due). a waits the
+    give-up's margin over the reply's expected time."""
+    a, b = trainer(A, 1), trainer(B, 2)
+    a.peers.observe_transfer(B, 100_000, 100_000, 2.0, 0.0)  # 100 kB/s both ways together
+    a.peers.observe_rtt(B, 0.05, 0.0)
+    to_a = open_exchange(b, 10.0, (A,))
+    [answer] = deliver(a, B, to_a.body, 10.0)
+    size = sum(len(c) for c in answer.body.chunks)
+    until = 10.0 + a.config.average_timeout_margin * (0.05 + size / 100_000)
+    assert until > 11.0  # several of a's steps
+    for now in (10.5, 11.0, until - 0.01):
+        out: list[Out] = []
+        a.step(now, a.learner.compute_gradient(), (), [(B, ADDR[B])], out)
+        assert out == [] and a.exchange is None
+    assert open_exchange(a, until + 0.01, (B,)).to == B

@@ -395,7 +395,8 @@ def test_an_observed_rate_is_recent_not_a_lifetime_average():
     """A member that spent five minutes fetching a checkpoint (its entry still), then trains
     at 10 samples/s, is seen at ~10/s a minute later -- it was seen at 1.7/s (the average
     since first seen), slow for many minutes: pulled most of the way to every partner, left
-    out of the fast core, its gradients' weight capped. One that stops is seen at 0 likewise."""
+    out of the fast core, its gradients' weight capped. One that stops is seen at its
+    lifetime rate, as before (a window without a step of a slow member must not read 0)."""
     from p2ptrain.proto.membership.samples import RATE_SPAN, SampleGuard
 
     me, b = "a" * 32, "b" * 32
@@ -411,9 +412,30 @@ def test_an_observed_rate_is_recent_not_a_lifetime_average():
     assert 2 * RATE_SPAN <= 60
     assert guard.rate(b, 360.0) == pytest.approx(10.0, rel=0.05)
     assert guard.rate(me, 360.0) == pytest.approx(10.0)
-    for t in range(361, 426):  # b stops: 0 within two spans
+    for t in range(361, 426):  # b stops
         guard.admit({b: 500 + 600}, float(t), {b})
-    assert guard.rate(b, 425.0) == 0.0
+    assert guard.rate(b, 425.0) == pytest.approx(600 / 425)
+
+
+def test_a_long_standing_member_cannot_compound_its_count_fast():
+    """The count's bound keeps the lifetime rate: a member honest for an hour that then
+    claims 2^53 every second gains a bounded excess in ten minutes (a recent rate in the
+    bound let it compound 4x a span, to the cap in ~40 s: 1.5e7 samples, 25 honest hours)."""
+    from p2ptrain.proto.membership.samples import SampleGuard
+
+    me, bad = "a" * 32, "f" * 32
+    honest = [c * 32 for c in "bcd"]
+    members = {*honest, bad}
+    guard = SampleGuard(LOCAL, me)
+    for t in range(0, 3601):
+        guard.own(100 * t, float(t))
+        guard.admit({p: 100 * t for p in (*honest, bad)}, float(t), members)
+    for t in range(3601, 4201):
+        guard.own(100 * t, float(t))
+        got = guard.admit({**{p: 100 * t for p in honest}, bad: 2**53}, float(t), members)
+    excess = got[bad] - 100 * 4200
+    assert 0 < excess < 2_000_000, excess  # ~5.5 honest hours at most, not 25
+    assert guard.rate(bad, 4200.0) < 64 * 100 * 4
 
 
 def test_a_fetched_checkpoint_brings_counts_under_the_same_bound():

@@ -183,3 +183,11 @@ def test_the_outbox_reports_a_request_to_a_closed_port(tmp_path):
     with ServerThread(Host("reply"), tmp_path) as addr:
         pass  # the server is gone: connection refused
     assert asyncio.run(post_one(addr, 5, 0)) == [("unanswered", B, 5, 0, False)]
+
+
+def test_the_outbox_reports_a_request_too_large_to_send(monkeypatch, tmp_path):
+    from p2ptrain.proto import wire as wire_module
+
+    monkeypatch.setattr(wire_module, "MAX_BLOB", 16)  # every averaging request too large
+    with ServerThread(Host("reply"), tmp_path) as addr:
+        assert asyncio.run(post_one(addr, 9, 2)) == [("unanswered", B, 9, 2, False)]

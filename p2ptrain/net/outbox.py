@@ -112,15 +112,17 @@ class Outbox:
         bulk = route in BULK_ROUTES
         if route == DROPPABLE and not self._admit(action.addr, action.envelope.body.step):
             return  # the averaging exchange never is dropped
+        body = action.envelope.body
+        ask = (action.to, body.seed, body.part) if type(body) is AverageRequest else None
         try:
             data = wire.encode(action.envelope)
         except ValueError as exc:  # too large for the wire: say so once, drop it
             self._failed(action.addr, route, exc)
+            if ask is not None and ask[0] and self.on_unanswered is not None:
+                asyncio.get_running_loop().call_soon(self.on_unanswered, *ask, False)
             return
         if bulk:
             self.in_flight[action.addr] += 1
-        body = action.envelope.body
-        ask = (action.to, body.seed, body.part) if type(body) is AverageRequest else None
         task = asyncio.get_running_loop().create_task(self._post(action.addr, route, data, bulk,
                                                                  ask))
         self.tasks.add(task)
@@ -198,7 +200,10 @@ class Outbox:
                 self.refusals.refused(addr, str(exc))
         except (aiohttp.ClientError, TimeoutError, OSError, AuthError, HelloError,
                 RemoteProtocolError) as exc:
-            timed_out = isinstance(exc, TimeoutError)
+            # (the request's time limit, not a connect timeout: an unreachable peer's
+            # link is not slow)
+            timed_out = isinstance(exc, TimeoutError) and not isinstance(
+                exc, aiohttp.ServerTimeoutError)
             self._failed(addr, route, exc)
             if self.refusals is not None:
                 self.refusals.failed(addr)

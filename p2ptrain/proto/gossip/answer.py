@@ -28,10 +28,14 @@ def crossing(t: Any, sender: str) -> bool:
             and t.node_id < sender)
 
 
-def respond(t: Any, sender: str, addr: str, body: AverageRequest,
+def respond(t: Any, now: float, sender: str, addr: str, body: AverageRequest,
             snap: PeerSnapshot, busy: bool, decline: bool, out: list[Out]) -> None:
     """Answer (or decline) `sender`'s averaging request; the half step goes to the parameters,
-    or into the held half steps while `busy`."""
+    or into the held half steps while `busy`. An answered peer is no partner of `t`'s own
+    exchanges at its next step (they have just averaged), nor until the reply has surely
+    reached it (the give-up's margin over the reply's expected time on the link): a request
+    `t` sent meanwhile would find its exchange still open, and the larger id answers it --
+    half a swap."""
     learner = t.learner
     chunks: tuple[bytes, ...] = ()
     if not decline and busy and not t.held.room(t._part_size(body.seed, body.part)):
@@ -50,7 +54,10 @@ def respond(t: Any, sender: str, addr: str, body: AverageRequest,
         t.stats["average_declined_by_us"] += 1
         return
     t.stats["average_answered"] += 1
-    t.answered.add(sender)  # just averaged: no exchange of our own with it this step
+    cfg = t.config
+    t.answered[sender] = (now, now + t.peers.give_up(
+        sender, sum(len(c) for c in chunks), floor=1e-3, margin=cfg.average_timeout_margin,
+        ceiling=cfg.average_timeout_max))
     t._finish(t.responder, snap, busy)
 
 

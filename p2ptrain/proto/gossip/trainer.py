@@ -44,6 +44,7 @@ clock (times are passed in), randomness only from the generator it is given.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
@@ -115,7 +116,10 @@ class GossipTrainer:
         self.peers = PeerTable()  # RTT and bandwidth per peer: how push targets are chosen
         self.guard = config.distance_guard()  # which averaging snapshots are too far
         self.exchange: Exchange | None = None
-        self.answered: set[str] = set()  # peers whose requests were answered since the step
+        # peer whose request we answered -> (when, until when it is no partner of ours: at
+        # least our next step; answer.py's `respond`), and when our last step ended
+        self.answered: dict[str, tuple[float, float]] = {}
+        self.boundary = -math.inf
         self.held = HeldDeltas(self.plan, held_capacity(n))  # half steps while busy
         self.reading = False  # the driver reads the learner's buffers: busy even between steps
         # (peer, addr, seed, part, parts, opened): a next part to send at the step boundary
@@ -206,7 +210,7 @@ class GossipTrainer:
             self.peer_progress[sender] = (body.step, body.loss)
             if not decline:  # a joiner's counters move only with the replica it adopts
                 learner.count.merge(counts)
-            respond(self, sender, addr, body, parsed, busy, decline, out)
+            respond(self, now, sender, addr, body, parsed, busy, decline, out)
         elif isinstance(body, AverageReply):
             if body.loss is not None:  # (not a refusal, which carries none)
                 self.peer_progress[sender] = (body.step, body.loss)
@@ -308,8 +312,12 @@ class GossipTrainer:
         """After a step: an exchange's part that waited for this boundary, else an averaging
         exchange if one is due -- with any partner every `average_every` steps, with one of
         the swarm's fastest every `average_every_fast` when they, this node too, are few;
-        not with a peer whose request it answered since the last step (just averaged)."""
-        answered, self.answered = self.answered, set()
+        not with a peer whose request it answered since the last step (just averaged) or whose
+        reply may still be on its way (answer.py)."""
+        answered = {p for p, (at, until) in self.answered.items()
+                    if at >= self.boundary or until > now}
+        self.answered = {p: v for p, v in self.answered.items() if v[1] > now}
+        self.boundary = now
         if self.next_part is not None:
             nxt, self.next_part = self.next_part, None
             self._send_part(now, *nxt, out)

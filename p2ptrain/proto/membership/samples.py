@@ -17,8 +17,7 @@ fetched checkpoint) passes `SampleGuard.admit` before it is merged by max:
   long absence, a fast node measured low at first) catch up at the allowed rate instead of
   being refused for good, while a forged 2^53 or `total_samples` moves an entry by one burst.
 - the allowed rate of entry X is `count_rate_margin` times X's own rate as this node observed
-  it (admitted growth over local time, recent: since first seen until `RATE_SPAN` seconds
-  have passed, then over the last one to two spans; at least `RATE_WINDOW` seconds), but
+  it (admitted growth over local time since first seen, at least `RATE_WINDOW` seconds), but
   at least the swarm's median observed rate (this node's own rate, exact, included) and at
   most `count_rate_cap` times it. Why observed rates rather than the advertised capability:
   capability is a matmul benchmark that a forged member record can set at will, and a fixed
@@ -26,6 +25,13 @@ fetched checkpoint) passes `SampleGuard.admit` before it is merged by max:
   trust, the median resists a minority of inflated entries, and the cap bounds what an
   entry inflated at its own margin can compound to. Until any rate is observed an entry
   refills at `count_burst / count_burst_seconds`.
+- what others read of a member's pace (`rate`: averaging pulls, partner draws, the gradient
+  weight cap) is the larger of that lifetime rate and its rate over the last one to two
+  `RATE_SPAN`s, so a member back from minutes of fetching a checkpoint (or a pause, a
+  restart under the same id) is seen at its training pace within a minute, not after many;
+  never more than its admitted growth. The bound above keeps the lifetime rate: a recent
+  rate would let a long-standing member compound to the cap in seconds, and one whose
+  window holds no step of slow-stepping members reads a median of few or none.
 A node's starting count (its resume checkpoint, or the checkpoint a driver started it from)
 is its baseline, admitted whole (`baseline`). Pure: no clock (times are passed in), no I/O.
 """
@@ -40,10 +46,7 @@ from p2ptrain.proto.config import ProtoConfig
 from p2ptrain.swarmcount import MAX_ENTRIES
 
 RATE_WINDOW = 2.0  # s an entry must be watched before its observed rate counts
-# s: an observed rate is the growth over the last one to two spans (two anchors that move up
-# a span at a time), not since first seen: a member that spent minutes fetching a checkpoint
-# or paused is seen at its training rate within two spans, not after many minutes
-RATE_SPAN = 30.0
+RATE_SPAN = 30.0  # s between the two anchors of an entry's recent rate (see `rate`)
 
 
 @dataclass(slots=True)
@@ -51,10 +54,10 @@ class _Entry:
     high: int  # highest value admitted
     tokens: float  # samples it may still grow by at once
     at: float  # when the tokens were last refilled
-    first: int  # value at `since` (its observed rate counts growth from here)
-    since: float  # when first seen, later the older anchor of the rate (see RATE_SPAN)
-    mark: int = 0  # value at `marked`: the newer anchor, the older one a span on
-    marked: float = 0.0
+    first: int  # value when first seen (its observed rate counts growth from here)
+    since: float  # when first seen
+    recent: tuple[int, float] = (0, 0.0)  # (value, time): the older anchor of the recent rate
+    mark: tuple[int, float] = (0, 0.0)  # the newer anchor, which becomes the older a span on
 
 
 class SampleGuard:
@@ -72,13 +75,15 @@ class SampleGuard:
         """This node's starting count: admitted as it is."""
         for node_id, n in counts.items():
             e = self._entry(node_id, now)
-            e.high = e.first = e.mark = max(e.high, int(n))
+            e.high = e.first = max(e.high, int(n))
+            e.recent = e.mark = (e.first, e.since)
 
     def own(self, samples: int, now: float) -> None:
         """This node's own entry, exact (it counts its own training)."""
         e = self._entry(self.me, now)
         if e.since == now and e.high == 0:
-            e.first = e.mark = samples
+            e.first = samples
+            e.recent = e.mark = (samples, now)
         e.high = max(e.high, samples)
         self._roll(e, now)
 
@@ -115,7 +120,8 @@ class SampleGuard:
                 e.high += grow
                 n = e.high
             if new:  # its observed rate counts growth from its first sight on
-                e.first = e.mark = e.high
+                e.first = e.high
+                e.recent = e.mark = (e.high, now)
                 self.pool -= grow
             else:  # on every report: anchors a span apart, however often rates are read
                 self._roll(e, now)
@@ -123,11 +129,16 @@ class SampleGuard:
         return out
 
     def rate(self, node_id: str, now: float) -> float | None:
-        """`node_id`'s observed sample rate (admitted growth per second over the last one to
-        two `RATE_SPAN`s; so bounded like its entry), None until it has been watched
-        `RATE_WINDOW` seconds."""
+        """`node_id`'s observed sample rate: admitted growth per second since first seen or,
+        if more, over the last one to two `RATE_SPAN`s (so bounded like its entry); None
+        until it has been watched `RATE_WINDOW` seconds."""
         e = self.entries.get(node_id)
-        return None if e is None else self._observed(e, now)
+        life = None if e is None else self._observed(e, now)
+        if e is None or life is None:
+            return None
+        self._roll(e, now)
+        value, at = e.recent
+        return max(life, (e.high - value) / (now - at)) if now - at >= RATE_WINDOW else life
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -147,17 +158,16 @@ class SampleGuard:
     def _entry(self, node_id: str, now: float) -> _Entry:
         e = self.entries.get(node_id)
         if e is None:
-            e = _Entry(0, float(self.config.count_burst), now, 0, now, 0, now)
+            e = _Entry(0, float(self.config.count_burst), now, 0, now, (0, now), (0, now))
             self.entries[node_id] = e
         return e
 
     @staticmethod
     def _roll(e: _Entry, now: float) -> None:
-        if now - e.marked >= RATE_SPAN:  # the newer anchor becomes the older; a new one now
-            e.first, e.since, e.mark, e.marked = e.mark, e.marked, e.high, now
+        if now - e.mark[1] >= RATE_SPAN:  # the newer anchor becomes the older; a new one now
+            e.recent, e.mark = e.mark, (e.high, now)
 
     def _observed(self, e: _Entry, now: float) -> float | None:
-        self._roll(e, now)
         watched = now - e.since
         return (e.high - e.first) / watched if watched >= RATE_WINDOW else None
 
