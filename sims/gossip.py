@@ -77,6 +77,7 @@ from sims.network import RETRANSMIT_SECONDS
 from sims.scenario import Method
 
 CHECKPOINT_OVERHEAD = 4096  # bytes of manifest and headers around a checkpoint's weights
+CONNECT_BYTES = 100  # a refused TCP connection: a SYN out (60 bytes), an RST back (40)
 MAX_WAKES_AT_ONCE = 1000  # a node woken this often at one virtual time is spinning
 SHARE_TOLERANCE = 0.1  # how far (relative) a proxy's subset share may be from the method's
 
@@ -371,6 +372,11 @@ class GossipSim:
         if dst is None:
             return
         envelope = send.envelope
+        if self.machines[dst].node is None and type(envelope.body) is AverageRequest:
+            # a process that is gone refuses the connection: no body goes (the same message,
+            # charged as a connection attempt, only carries the refusal's timing)
+            self._transmit(i, dst, envelope, CONNECT_BYTES, False, self.machines[i].generation)
+            return
         size = self.world.bytes.size(envelope)
         self.recorder.sent(type(envelope.body).__name__, size)
         self._transmit(i, dst, envelope, size, send.reply, self.machines[i].generation)

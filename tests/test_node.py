@@ -460,17 +460,22 @@ def test_averaging_in_parts_runs_every_part_through_the_nodes():
     assert sizes == {part}  # one part of snapshot, never the whole model
 
 
-def test_an_exchange_whose_partner_died_ends_at_once():
-    """No reply comes from a partner that died: the exchange ends once the membership finds
-    it dead (seconds), not at its give-up (90 s or more), which blocked every averaging
-    exchange of the node meanwhile."""
+def with_an_open_exchange() -> tuple[TrainingCluster, Node, Exchange]:
+    """Three nodes averaging whole vectors every 2 steps, run until node 0 has one open."""
     c = cluster(3, step_seconds=0.25, gossip=GossipConfig(
         fanout=0, average_every=2, averaging="full", average_every_fast=0))
     c.run_until(4.0)
     node = c.training_node(0)
     while node.trainer.exchange is None:
         c.run_until(c.now + 0.001)
-    ex = node.trainer.exchange
+    return c, node, node.trainer.exchange
+
+
+def test_an_exchange_whose_partner_died_ends_at_once():
+    """No reply comes from a partner that died: the exchange ends once the membership finds
+    it dead (seconds), not at its give-up (90 s or more), which blocked every averaging
+    exchange of the node meanwhile."""
+    c, node, ex = with_an_open_exchange()
     partner = next(k for k in range(3) if c.nodes[k].info.node_id == ex.peer)
     c.crash(partner)
     c.run_until(c.now + c.config.detection_bound(3) + 1.0)

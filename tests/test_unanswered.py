@@ -33,7 +33,7 @@ from p2ptrain.proto.node import NodeConfig
 from p2ptrain.report import Reporter
 from tests.proto_samples import A, B, C
 from tests.test_gossip_crossing import open_exchange, trainer
-from tests.test_pacing import until
+from tests.test_pacing import RecordingHost, until
 
 KEY = derive_mac_key(bytes(range(32)))
 
@@ -70,15 +70,9 @@ def test_a_request_that_timed_out_says_the_link_is_slower_than_measured():
 
 
 def test_a_node_hands_the_event_to_its_trainer():
-    from tests.test_node import cluster
+    from tests.test_node import with_an_open_exchange
 
-    c = cluster(3, step_seconds=0.25, gossip=GossipConfig(
-        fanout=0, average_every=2, averaging="full", average_every_fast=0))
-    c.run_until(4.0)
-    node = c.training_node(0)
-    while node.trainer.exchange is None:
-        c.run_until(c.now + 0.001)
-    ex = node.trainer.exchange
+    c, node, ex = with_an_open_exchange()
     node.handle(c.now, Unanswered(ex.peer, ex.seed, ex.part + 1))  # another part: not it
     assert node.trainer.exchange is ex
     node.handle(c.now, Unanswered(ex.peer, ex.seed, ex.part))
@@ -89,14 +83,12 @@ def test_a_node_hands_the_event_to_its_trainer():
 # -- the outbox, over HTTP ----------------------------------------------------------------------
 
 
-class Host:
+class Host(RecordingHost):
     """The receiving side's host: answers averaging requests as `mode` says."""
 
     def __init__(self, mode: str):
+        super().__init__()
         self.node_id, self.mode = B, mode
-
-    def count(self, what: str) -> None:
-        pass
 
     def deliver(self, envelope, remote, sender, size):
         if self.mode == "slow":
@@ -107,15 +99,6 @@ class Host:
         reply = Envelope(Header(PROTOCOL_VERSION, B, 1, "127.0.0.1:9", "0" * 16, 0, 1, 2, None,
                                 ()), AverageReply(body.seed, 1, {}, (), body.part, body.parts))
         return 200, [wire.encode(reply)], ""
-
-    def status(self) -> dict:
-        return {"node_id": self.node_id}
-
-    def health(self) -> dict:
-        return {"ok": True}
-
-    def swarm_config(self) -> dict:
-        return {"swarm": "test", "options": {}}
 
 
 class ServerThread:
