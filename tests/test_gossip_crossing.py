@@ -99,7 +99,7 @@ def test_no_exchange_is_opened_with_a_peer_just_answered():
             out: list[Out] = []
             a.step(now + 0.5, a.learner.compute_gradient(), (), [(B, ADDR[B])], out)
             assert out == [] and a.exchange is None
-            assert a.stats["average_just_answered"] == 1
+            assert a.stats["average_partners_resting"] == 1
         else:  # with another partner it opens with that one
             assert open_exchange(a, now + 0.5, (B, C)).to == C
             a.close()

@@ -28,11 +28,12 @@ from p2ptrain.net.server import Served, build_app, listen
 from p2ptrain.proto import Send, Unanswered, wire
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
+from p2ptrain.proto.gossip.trainer import UNANSWERED_REST
 from p2ptrain.proto.messages import PROTOCOL_VERSION, Envelope, Header
 from p2ptrain.proto.node import NodeConfig
 from p2ptrain.report import Reporter
 from tests.proto_samples import A, B, C
-from tests.test_gossip_crossing import open_exchange, trainer
+from tests.test_gossip_crossing import deliver, open_exchange, trainer
 from tests.test_pacing import RecordingHost, until
 
 KEY = derive_mac_key(bytes(range(32)))
@@ -56,8 +57,16 @@ def test_an_unanswered_part_ends_its_exchange_and_nothing_else():
     assert t.peers.get(B).bandwidth == bandwidth  # a refused connection says nothing of it
     t.unanswered(12.0, B, seed, part, False)  # once over, a repeat changes nothing
     assert t.stats["average_unanswered"] == 1
-    # the next due step opens another exchange at once (it waited 90 s for the give-up)
-    assert open_exchange(t, 12.0, (B,)).to == B
+    # the next due step opens another exchange at once (it waited 90 s for the give-up),
+    # with another partner: b rests UNANSWERED_REST s (gone, restarting or slow)
+    to_c = open_exchange(t, 12.0, (B, C))
+    assert to_c.to == C
+    declined = AverageReply(to_c.body.seed, 1, {}, (), 0, 1)
+    assert deliver(t, C, declined, 12.1) == [] and t.exchange is None
+    out: list = []
+    t.step(11.0 + UNANSWERED_REST - 0.1, t.learner.compute_gradient(), (), [(B, "x")], out)
+    assert out == [] and t.stats["average_partners_resting"] == 1
+    assert open_exchange(t, 11.0 + UNANSWERED_REST + 0.1, (B,)).to == B
 
 
 def test_a_request_that_timed_out_says_the_link_is_slower_than_measured():

@@ -55,7 +55,7 @@ def respond(t: Any, now: float, sender: str, addr: str, body: AverageRequest,
         return
     t.stats["average_answered"] += 1
     cfg = t.config
-    t.answered[sender] = (now, now + t.peers.give_up(
+    t.resting[sender] = (now, now + t.peers.give_up(
         sender, sum(len(c) for c in chunks), floor=1e-3, margin=cfg.average_timeout_margin,
         ceiling=cfg.average_timeout_max))
     t._finish(t.responder, snap, busy)

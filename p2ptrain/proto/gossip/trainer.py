@@ -84,6 +84,7 @@ if TYPE_CHECKING:
 
 MAX_SEED = 2**53  # exchange seeds stay exact in JSON
 OUTER_STALENESS = 2**62  # outer steps mix every pseudo-gradient that arrived since the last
+UNANSWERED_REST = 5.0  # s a peer whose request went unanswered is no averaging partner
 
 
 class TooFar(CodecError):
@@ -116,9 +117,11 @@ class GossipTrainer:
         self.peers = PeerTable()  # RTT and bandwidth per peer: how push targets are chosen
         self.guard = config.distance_guard()  # which averaging snapshots are too far
         self.exchange: Exchange | None = None
-        # peer whose request we answered -> (when, until when it is no partner of ours: at
-        # least our next step; answer.py's `respond`), and when our last step ended
-        self.answered: dict[str, tuple[float, float]] = {}
+        # peers that are no partner of ours for now -> (when we answered one of its requests,
+        # until when): just averaged with (at least until our next step), our reply perhaps
+        # still on its way (answer.py's `respond`), or our last request to it unanswered (for
+        # UNANSWERED_REST s); and when our last step ended
+        self.resting: dict[str, tuple[float, float]] = {}
         self.boundary = -math.inf
         self.held = HeldDeltas(self.plan, held_capacity(n))  # half steps while busy
         self.reading = False  # the driver reads the learner's buffers: busy even between steps
@@ -312,11 +315,11 @@ class GossipTrainer:
         """After a step: an exchange's part that waited for this boundary, else an averaging
         exchange if one is due -- with any partner every `average_every` steps, with one of
         the swarm's fastest every `average_every_fast` when they, this node too, are few;
-        not with a peer whose request it answered since the last step (just averaged) or whose
-        reply may still be on its way (answer.py)."""
-        answered = {p for p, (at, until) in self.answered.items()
-                    if at >= self.boundary or until > now}
-        self.answered = {p: v for p, v in self.answered.items() if v[1] > now}
+        not with a peer resting (`resting`: just averaged with, our reply to it perhaps still
+        on its way, our last request to it unanswered)."""
+        resting = {p for p, (at, until) in self.resting.items()
+                   if at >= self.boundary or until > now}
+        self.resting = {p: v for p, v in self.resting.items() if v[1] > now}
         self.boundary = now
         if self.next_part is not None:
             nxt, self.next_part = self.next_part, None
@@ -324,22 +327,22 @@ class GossipTrainer:
         elif self.exchange is not None or not partners:
             return
         elif self.config.averaging_due(self.learner.step):
-            self._begin_average(now, partners, out, answered)
+            self._begin_average(now, partners, out, resting)
         elif self.config.fast_averaging_due(self.learner.step) and self.rate_of is not None:
             fast = fast_partners(self.node_id, partners, self.rate_of)
             if fast and self.config.fast_core(len(fast) + 1, len(partners) + 1):
-                self._begin_average(now, fast, out, answered)
+                self._begin_average(now, fast, out, resting)
             elif fast:
                 self.stats["average_fast_not_core"] += 1
 
     def _begin_average(self, now: float, partners: Sequence[tuple[str, str]],
-                       out: list[Out], answered: Collection[str] = ()) -> None:
+                       out: list[Out], resting: Collection[str] = ()) -> None:
         cfg, addrs, rate_of = self.config, dict(partners), self.rate_of
         rates = ({p: rate_of(p) for p in addrs}
                  if cfg.average_pull_max > 0.5 and rate_of is not None else None)
-        drawn = {p: a for p, a in addrs.items() if p not in answered}
+        drawn = {p: a for p, a in addrs.items() if p not in resting}
         if not drawn:
-            self.stats["average_just_answered"] += 1
+            self.stats["average_partners_resting"] += 1
             return
         peer = self.peers.choose_partner(drawn, self.rng, 4 * self.plan.capacity,
                                          cfg.average_explore, rates, cfg.average_draw_power,
@@ -406,6 +409,8 @@ class GossipTrainer:
         ex = self.exchange
         if ex is not None and (ex.peer, ex.seed, ex.part) == (peer, seed, part):
             self._end(now, "average_unanswered", timed_out)
+            until = max(now + UNANSWERED_REST, self.resting.get(peer, (0.0, 0.0))[1])
+            self.resting[peer] = (-math.inf, until)  # gone, restarting or slow: another first
 
     def _end(self, now: float, stat: str, shortfall: bool) -> None:
         ex, self.exchange = self.exchange, None
@@ -418,7 +423,7 @@ class GossipTrainer:
         """Stop: forget the open exchange and held results; `replaced`: the outer round too."""
         self.exchange = None
         self.next_part = None
-        self.answered.clear()
+        self.resting.clear()
         self.held.clear()
         self.initiator.abort()
         self.mixer.clear()
