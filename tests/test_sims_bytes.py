@@ -19,10 +19,12 @@ instead, role against role (leader, follower), within `JSON_SLACK` bytes: the se
 address is 2 characters longer (127.0.0.1:port against 10.0.0.i:7100), the capability score
 has up to 4 more digits (a measured GFLOP/s against the test's device), and counters
 (samples, steps, heartbeats), the exchange seed and the loss have as many digits as each run
-gives them (measured 2026-12-01, 31 runs: the real JSON 0.4-6 bytes longer). What the bound
-is for: a header without the holding record a real holder's carries is 23 bytes short (the
-simulator's, until this test), a capability score as a float's full repr 11 bytes long (the
-real node's, until this test), a G-counter entry 40.
+gives them (measured 2026-12-01, 31 runs: the real JSON 0.4-6 bytes longer; 2026-12-05, 10
+runs: 6.4-11.5, the same before that day's changes -- the real nodes train many more steps
+before the window than the simulated ones, so their counters have more digits). What the
+bound is for, each on top of that: a header without the holding record a real holder's
+carries is 23 bytes short (the simulator's, until this test), a capability score as a
+float's full repr 11 bytes long (the real node's, until this test), a G-counter entry 40.
 
 Both sides are measured from the moment both nodes have applied two averaging exchanges: the
 start (leadership, the follower's checkpoint fetch, the membership updates of the join that
@@ -64,11 +66,12 @@ BATCH = 8
 GOSSIP = {"fanout": 1, "codec": "topk", "fraction": 0.01}
 KINDS = ("AverageRequest", "AverageReply", "GradientPush")
 EACH = 4  # messages of every kind each node sends in the measured window, at least
-SIM_SECONDS = 15.0  # simulated: ~35 steps per machine
+SIM_SECONDS = 30.0  # simulated: ~70 steps per machine (of two nodes each opens about every
+# other due exchange: one answered since its last step is no partner at that step)
 # the leader's checkpoints and every other node's local saves: from the first on, every
 # header carries the sender's holding record, on both sides
 CHECKPOINT_SECONDS = 1.0
-JSON_SLACK = 12  # bytes per message, mean over a kind and role (see the module docstring)
+JSON_SLACK = 16  # bytes per message, mean over a kind and role (see the module docstring)
 
 
 def swarm_toml() -> str:
