@@ -118,8 +118,7 @@ class Outbox:
             data = wire.encode(action.envelope)
         except ValueError as exc:  # too large for the wire: say so once, drop it
             self._failed(action.addr, route, exc)
-            if ask is not None and ask[0] and self.on_unanswered is not None:
-                asyncio.get_running_loop().call_soon(self.on_unanswered, *ask, False)
+            asyncio.get_running_loop().call_soon(self._over, ask, False)  # not from within
             return
         if bulk:
             self.in_flight[action.addr] += 1
@@ -212,6 +211,10 @@ class Outbox:
                 self.in_flight[addr] -= 1
                 if self.in_flight[addr] <= 0:
                     del self.in_flight[addr]
+        self._over(ask, timed_out)
+
+    def _over(self, ask: tuple[str | None, int, int] | None, timed_out: bool) -> None:
+        """An averaging request (`ask`: peer, seed, part; None: another kind) is over."""
         if ask is not None and ask[0] and self.on_unanswered is not None:
             self.on_unanswered(ask[0], ask[1], ask[2], timed_out)
 

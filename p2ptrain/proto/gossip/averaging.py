@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from p2ptrain.codecs import DEFAULT_CHUNK, Codec, CodecError, Message, parse_message
-from p2ptrain.codecs.kernels import BLOCK, all_finite, blocks, sum_squares
+from p2ptrain.codecs.kernels import BLOCK, all_finite, bf16_bits_to_f32, blocks, sum_squares
 from p2ptrain.codecs.wire import Origin, chunk_bounds, encode_chunk
 from p2ptrain.optim import Progress
 from p2ptrain.proto.gossip.plan import AveragingPlan
@@ -185,6 +185,7 @@ class ParameterAverager:
         # rewind and pushes the anchors apart)
         self.anchor = anchor
         self._bits = np.zeros(0, np.uint16)  # d of one part, gathered
+        self._wide = np.zeros(0, np.float32)  # one block of it, widened
         self.codec = plan.codec()
         self.chunk_elems = chunk_elems  # elements per chunk message
         self.max_distance = max_distance  # refuse a peer farther than this (RMS)
@@ -223,9 +224,12 @@ class ParameterAverager:
             if self._bits.shape[0] < m:
                 self._bits = np.zeros(self._snap.shape[0], np.uint16)
             self._gather(self.anchor.bits, runs, hi - lo, self._bits)
+            if self._wide.shape[0] < BLOCK:
+                self._wide = np.zeros(BLOCK, np.float32)
             for start, stop in blocks(m):  # snap += bfloat16(d), a sub-block at a time
-                snap[start:stop] += np.left_shift(self._bits[start:stop], 16,
-                                                  dtype=np.uint32).view(np.float32)
+                wide = self._wide[: stop - start]
+                bf16_bits_to_f32(self._bits[start:stop], wide)
+                snap[start:stop] += wide
         if not all_finite(snap):
             raise ValueError("own parameters are not finite")
         if self.plan.values != "fp32":  # round in place exactly as the peer will decode:

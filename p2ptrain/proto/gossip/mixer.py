@@ -245,11 +245,12 @@ class GradientMixer:
         is acted on."""
         try:
             message = msg if isinstance(msg, Message) else parse_message(msg)
-            if sender is not None and message.codec != self.codec:
-                raise CodecError(f"gradient in {message.codec.name}: the swarm's gradients "
-                                 f"are in {self.codec.name}")
-            if sender is not None and message.sender_id != sender:
-                raise CodecError("gradient chunk names another sender than the message")
+            if sender is not None:  # a peer's: the swarm's codec, before any decoding
+                if message.codec != self.codec:
+                    raise CodecError(f"gradient in {message.codec.name}: the swarm's "
+                                     f"gradients are in {self.codec.name}")
+                if message.sender_id != sender:
+                    raise CodecError("gradient chunk names another sender than the message")
             entry = self._pending.get((message.sender_id, message.swarm_samples))
             self._check_header(message, entry)
             sq = self._chunk_sq_norm(message)
