@@ -10,8 +10,9 @@ Each machine runs one `p2ptrain.proto.node.Node`. The driver performs its action
   droppable (the outbox's in-flight limit); it is delivered as the same `Envelope` object,
   and one lost on a lossy link is sent again after TCP's retransmission timeout (the
   runtime's messages go over TCP, which loses none; a partition or a dead peer still ends it;
-  an averaging request that reaches a dead machine is answered `Unanswered`, as the
-  runtime's refused connection is);
+  a message to a machine that is down costs a connection attempt, not its body, and an
+  averaging request that reaches a dead machine is answered `Unanswered`, as the runtime's
+  refused connection is);
 - `SaveCheckpoint`: the leader's replica and swarm counter are kept as "the latest
   checkpoint"; `FetchCheckpoint` (a joining node, e.g. a machine back from a failure with
   nothing of its own) moves it over the network at its charged size from the source the node
@@ -372,9 +373,10 @@ class GossipSim:
         if dst is None:
             return
         envelope = send.envelope
-        if self.machines[dst].node is None and type(envelope.body) is AverageRequest:
-            # a process that is gone refuses the connection: no body goes (the same message,
-            # charged as a connection attempt, only carries the refusal's timing)
+        if self.machines[dst].node is None:
+            # a machine that is down takes no connection: no body goes, whatever the message
+            # (the same message, charged as a connection attempt, carries the refusal's
+            # timing; an averaging request's sender hears `Unanswered` at delivery)
             self._transmit(i, dst, envelope, CONNECT_BYTES, False, self.machines[i].generation)
             return
         size = self.world.bytes.size(envelope)

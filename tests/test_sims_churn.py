@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 
+from p2ptrain.proto import Unanswered
 from sims.coordinator import CoordinatorSim
 from sims.fleet import Training, World
-from sims.gossip import GossipSim
+from sims.gossip import CONNECT_BYTES, GossipSim
 from sims.scenario import Churn, Partition, load
 
 
@@ -190,3 +191,36 @@ def test_the_coordinators_lost_messages_are_resent_and_cut_ones_retried(ci):
     result = sim.run()
     assert len(spoiled) == 2 and result["retries"] == 1, (spoiled, result["retries"])
     assert all(i in got for i in spoiled), (spoiled, got)  # both workers went on
+
+
+def test_a_machine_that_is_down_is_sent_connection_attempts_not_bodies(ci):
+    """Heartbeats, pushes and requests to a machine that is down cost a connection attempt
+    (`CONNECT_BYTES`), as the runtime's refused or unanswered connection does; they were
+    charged their whole bodies, as if delivered. An averaging request there still ends its
+    exchange (`Unanswered`)."""
+    scenario = ci.replace(duration=10.0)
+    world = _world(scenario)
+    sim = GossipSim(world, scenario.methods[0])
+    victim = next(m.index for m in world.members if m.device.name == "server")
+    send, after = world.network.send, []
+
+    def recording_send(src, dst, n, deliver, **kw):
+        if dst == victim and sim.machines[victim].node is None:
+            after.append(n)
+        return send(src, dst, n, deliver, **kw)
+
+    world.network.send = recording_send
+    unanswered = []
+    handle = sim.handle
+
+    def recording_handle(i, event):
+        if type(event) is Unanswered and event.peer == world.members[victim].node_id:
+            unanswered.append(i)
+        return handle(i, event)
+
+    sim.handle = recording_handle
+    world.engine.at(4.0, sim.crash, victim)
+    sim.run()
+    assert len(after) >= 10  # the others went on talking to it until they saw it dead
+    assert set(after) == {CONNECT_BYTES}, sorted(set(after))[:5]
+    assert unanswered  # partners that opened an exchange with it heard it end
