@@ -72,6 +72,11 @@ def save_checkpoint(ckroot: Path, ident: Identity, seed: int = 0, step: int = 7)
 
 @pytest.fixture
 def leader(tmp_path) -> Leader:
+    return make_leader(tmp_path)
+
+
+def make_leader(tmp_path: Path) -> Leader:
+    """A leader's identity and one saved checkpoint under `tmp_path` (not yet served)."""
     ident = load_or_create(tmp_path / "leader")
     ckroot = tmp_path / "leader" / "checkpoints"
     path = save_checkpoint(ckroot, ident)

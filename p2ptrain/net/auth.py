@@ -225,7 +225,8 @@ class Signer:
         """AuthError unless `body` is a hello answer to our `nonce` made with the swarm key
         (`key`, default the current one: the key the hello was made with)."""
         want = _mac(key or self.key, _WELCOME_TAG, (nonce, self.node_id), body)
-        if not hmac.compare_digest(want, headers.get(MAC, "")):
+        mac = headers.get(MAC, "")  # its shape first: compare_digest raises on non-ASCII
+        if not (_is_mac(mac) and hmac.compare_digest(want, mac)):
             raise AuthError("hello answer does not verify (not a member of this swarm?)")
 
     def check_response(self, method: str, path: str, rid: RequestId, status: int,
@@ -239,8 +240,8 @@ def check_response(key: bytes, method: str, path: str, rid: RequestId, status: i
                    headers: Mapping[str, str], body: bytes | memoryview) -> str:
     """The responder's node id, if the response is authentic for request `rid`."""
     responder, mac = headers.get(SENDER, ""), headers.get(MAC, "")
-    if not _is_node_id(responder) or not mac:
-        raise AuthError("response carries no MAC")
+    if not _is_node_id(responder) or not _is_mac(mac):  # checked before compare_digest,
+        raise AuthError("response carries no MAC")  # which raises TypeError on non-ASCII
     if rid.to is None or responder != rid.to.node_id:
         raise AuthError("response comes from another node than the request named")
     want = _mac(key, _RESP_TAG, _response_fields(method, path, rid, status), body)

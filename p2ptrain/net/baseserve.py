@@ -7,9 +7,9 @@ A node serves the base it trains on (checked chunk by chunk when it started) and
 else. The fetcher needs no signature: the id is the SHA-256 of the manifest, and every chunk
 is checked against the manifest's xxh3_64 (net/basefetch.py). The rules of the checkpoint
 routes hold here too (ckptserve.py): authentication first, every answer MACed over its exact
-body, ranges clamped to MAX_RANGE and read into memory before they are MACed, every body byte
-through the upload bucket and counted, `{id}` and the file name checked before a path is
-built (anything else is 404).
+body (a range MACed over a mapping of the file, then streamed from it), ranges clamped to
+MAX_RANGE, every body byte through the upload bucket and counted, `{id}` and the file name
+checked before a path is built (anything else is 404).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from aiohttp import web
 
 from p2ptrain.net.auth import RequestId, ServerAuth
-from p2ptrain.net.ckptserve import RangeError, _read_signed, authenticate_get, parse_range
+from p2ptrain.net.ckptserve import RangeError, authenticate_get, file_mac, parse_range, send_file
 from p2ptrain.net.pacing import TokenBucket
 
 BASE_FILE, MANIFEST = "base.safetensors", "base.json"
@@ -96,25 +96,15 @@ def add_base_routes(app: web.Application, serving: BaseServing) -> None:
             except RangeError as exc:
                 return error(request, rid, 416, str(exc), {"Content-Range": f"bytes */{size}"})
             try:
-                body, mac = await asyncio.to_thread(_read_signed, auth, request.method,
-                                                    request.path, rid, fd, first, last)
-            except OSError as exc:
+                mac = await asyncio.to_thread(file_mac, auth, request.method, request.path,
+                                              rid, 206, fd, first, last - first + 1)
+            except (OSError, ValueError) as exc:
                 return error(request, rid, 500, f"cannot read: {exc}")
+            return await send_file(request, 206, {
+                **mac, "Accept-Ranges": "bytes", "Content-Range": f"bytes {first}-{last}/{size}"},
+                fd, first, last - first + 1, bucket, serving.on_served)
         finally:
             os.close(fd)
-        resp = web.StreamResponse(status=206, headers={
-            **mac, "Accept-Ranges": "bytes", "Content-Range": f"bytes {first}-{last}/{size}"})
-        resp.content_type = "application/octet-stream"
-        resp.content_length = len(body)
-        await resp.prepare(request)
-        for start in range(0, len(body), bucket.slice):
-            piece = body[start : start + bucket.slice]
-            await bucket.take(len(piece))
-            await resp.write(piece)
-            if serving.on_served is not None:
-                serving.on_served(len(piece))
-        await resp.write_eof()
-        return resp
 
     app.router.add_get("/v1/base/{id}", manifest, allow_head=False)
     app.router.add_get("/v1/base/{id}/{file}", data, allow_head=False)

@@ -14,13 +14,14 @@ Rules this file keeps:
 - Authentication comes first: a request whose MAC or sequence fails gets 401 with the reason
   and nothing else is looked at. A GET that carries a body gets 400.
 - Every other response (errors included) carries response MAC headers over its exact body.
-  To MAC a range the server reads it into memory first, so a range is at most MAX_RANGE
-  bytes: a longer one (including the open form `bytes=a-`) is *clamped* to MAX_RANGE and
-  answered 206 with the true Content-Range, which a client must read (ours always asks for
-  one manifest chunk, never more than MAX_RANGE). A whole-file 200 (only of a file held
-  whole) is MACed in a first pass over a read-only mapping of the same open file, then
-  streamed (checkpoint files are never rewritten in place -- store.save makes a new
-  directory, a fetch writes each chunk once -- so the streamed bytes are the MACed ones).
+  A body from a file -- a whole-file 200 (only of a file held whole) or a range -- is MACed
+  in a first pass over a read-only mapping of the same open file, then streamed from it a
+  PIECE at a time (checkpoint files are never rewritten in place -- store.save makes a new
+  directory, a fetch writes each chunk once -- so the streamed bytes are the MACed ones): a
+  client that does not read holds one piece of the server's memory, not its whole range.
+  A range is at most MAX_RANGE bytes: a longer one (including the open form `bytes=a-`) is
+  *clamped* to MAX_RANGE and answered 206 with the true Content-Range, which a client must
+  read (ours always asks for one manifest chunk, never more than MAX_RANGE).
 - A range is served only if every chunk it touches is held (else 404: "not held here"), so
   a partial holder never sends bytes it has not verified.
 - Every body byte passes the node's upload bucket (the --max-upload-mbps cap covers serving)
@@ -38,7 +39,7 @@ import asyncio
 import json
 import mmap
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -48,7 +49,8 @@ from p2ptrain.net.auth import AuthError, RequestId, ServerAuth
 from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.shelf import Held, Shelf, is_checkpoint_name
 
-MAX_RANGE = mf.MAX_CHUNK_SIZE  # most bytes one range response holds (read into memory)
+MAX_RANGE = mf.MAX_CHUNK_SIZE  # most bytes one range response carries
+PIECE = 256 * 1024  # bytes read from disk and written at a time (at most the bucket's slice)
 SERVED_FILES = (mf.MODEL_FILE, mf.STATE_FILE, mf.MANIFEST_FILE)
 
 __all__ = ["MAX_RANGE", "SERVED_FILES", "RangeError", "Serving", "add_checkpoint_routes",
@@ -106,18 +108,36 @@ def _pread_exact(fd: int, length: int, offset: int) -> bytearray:
     return buf
 
 
-def _whole_file_mac(auth: ServerAuth, method: str, path: str, rid: RequestId, fd: int,
-                    size: int) -> dict[str, str]:
-    if size == 0:
-        return auth.sign(method, path, rid, 200, b"")
-    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
-        return auth.sign(method, path, rid, 200, mapped)
+def file_mac(auth: ServerAuth, method: str, path: str, rid: RequestId, status: int, fd: int,
+             first: int, n: int) -> dict[str, str]:
+    """MAC headers of a response whose body is bytes [first, first + n) of the open file
+    `fd`, from a read-only mapping (in a worker thread: it reads them all)."""
+    if n == 0:
+        return auth.sign(method, path, rid, status, b"")
+    start = first - first % mmap.ALLOCATIONGRANULARITY
+    with mmap.mmap(fd, first + n - start, access=mmap.ACCESS_READ, offset=start) as mapped, \
+            memoryview(mapped) as view, view[first - start :] as body:
+        return auth.sign(method, path, rid, status, body)
 
 
-def _read_signed(auth: ServerAuth, method: str, path: str, rid: RequestId, fd: int, first: int,
-                 last: int) -> tuple[memoryview, dict[str, str]]:
-    body = memoryview(_pread_exact(fd, last - first + 1, first))
-    return body, auth.sign(method, path, rid, 206, body)
+async def send_file(request: web.Request, status: int, headers: dict[str, str], fd: int,
+                    first: int, n: int, bucket: TokenBucket,
+                    on_served: Callable[[int], None] | None) -> web.StreamResponse:
+    """Stream bytes [first, first + n) of the open file `fd` (MACed by `file_mac`), a PIECE
+    at a time through the upload bucket; a read error from here on drops the connection."""
+    resp = web.StreamResponse(status=status, headers=headers)
+    resp.content_type = "application/octet-stream"
+    resp.content_length = n
+    await resp.prepare(request)
+    step = min(PIECE, bucket.slice)
+    for start in range(0, n, step):
+        size = min(step, n - start)
+        await bucket.take(size)
+        await resp.write(await asyncio.to_thread(_pread_exact, fd, size, first + start))
+        if on_served is not None:
+            on_served(size)
+    await resp.write_eof()
+    return resp
 
 
 
@@ -172,23 +192,6 @@ def add_checkpoint_routes(app: web.Application, serving: Serving) -> None:
             return signed_json(request, rid, 404, {"error": "checkpoint not held here"})
         return signed_json(request, rid, 200, describe(held))
 
-    async def respond(request: web.Request, status: int, headers: dict[str, str], size: int,
-                      pieces: Callable[[int, int], Awaitable[bytes | memoryview]]
-                      ) -> web.StreamResponse:
-        resp = web.StreamResponse(status=status, headers=headers)
-        resp.content_type = "application/octet-stream"
-        resp.content_length = size
-        await resp.prepare(request)
-        step = bucket.slice
-        for start in range(0, size, step):  # a read error from here on drops the connection
-            n = min(step, size - start)
-            await bucket.take(n)
-            await resp.write(await pieces(start, n))
-            if serving.on_served is not None:
-                serving.on_served(n)
-        await resp.write_eof()
-        return resp
-
     async def serve_file(request: web.Request) -> web.StreamResponse:
         rid = authenticate(request)
         if isinstance(rid, web.Response):
@@ -217,15 +220,12 @@ def add_checkpoint_routes(app: web.Application, serving: Serving) -> None:
                 if not held.complete((file,)):
                     return signed_json(request, rid, 404, {"error": f"{file} not held whole"})
                 try:
-                    mac = await asyncio.to_thread(_whole_file_mac, auth, request.method,
-                                                  request.path, rid, fd, size)
+                    mac = await asyncio.to_thread(file_mac, auth, request.method,
+                                                  request.path, rid, 200, fd, 0, size)
                 except (OSError, ValueError) as exc:
                     return signed_json(request, rid, 500, {"error": f"cannot read: {exc}"})
-
-                async def from_disk(start: int, n: int) -> bytes | memoryview:
-                    return await asyncio.to_thread(_pread_exact, fd, n, start)
-
-                return await respond(request, 200, {**base, **mac}, size, from_disk)
+                return await send_file(request, 200, {**base, **mac}, fd, 0, size, bucket,
+                                       serving.on_served)
             try:
                 first, last = parse_range(range_header, size)
             except RangeError as exc:
@@ -235,16 +235,13 @@ def add_checkpoint_routes(app: web.Application, serving: Serving) -> None:
                 return signed_json(request, rid, 404, {"error": "range not held here"})
             shelf.touch(name)  # pruning spares a checkpoint being fetched
             try:
-                body, mac = await asyncio.to_thread(_read_signed, auth, request.method,
-                                                    request.path, rid, fd, first, last)
-            except OSError as exc:
+                mac = await asyncio.to_thread(file_mac, auth, request.method, request.path,
+                                              rid, 206, fd, first, last - first + 1)
+            except (OSError, ValueError) as exc:
                 return signed_json(request, rid, 500, {"error": f"cannot read: {exc}"})
             headers = {**base, **mac, "Content-Range": f"bytes {first}-{last}/{size}"}
-
-            async def from_memory(start: int, n: int) -> bytes | memoryview:
-                return body[start : start + n]
-
-            return await respond(request, 206, headers, len(body), from_memory)
+            return await send_file(request, 206, headers, fd, first, last - first + 1,
+                                   bucket, serving.on_served)
         finally:
             os.close(fd)
 

@@ -87,6 +87,9 @@ NOT_HELD_GRACE = 30.0  # s a source that holds none of the checkpoint yet is ask
 GRACE = 15.0
 MIN_RATE = 16 * 1024
 RATE_SPREAD = 32
+# a fetch ends when for STALL s no chunk arrived and no usable source holds one still to do
+# (partial holders only, the whole ones dropped): they may yet gain it, but not for ever
+STALL = 60.0
 
 __all__ = ["PARTIAL_PREFIX", "FetchError", "Fetched", "NoCheckpoint", "check_answer",
            "fetch_checkpoint", "fetch_latest"]
@@ -119,6 +122,8 @@ class _Conn:
     signer: Signer
     timeout: aiohttp.ClientTimeout
     to: Receiver  # who serves at `base` (from hello)
+    answer_timeout: aiohttp.ClientTimeout  # a JSON answer, whole: a trickle must not hold
+    #                                        a fetch's start for ever
 
 
 @dataclass(eq=False)
@@ -177,10 +182,12 @@ def _parse_have(doc: object, manifest: mf.Manifest) -> dict[str, set[int]] | Non
         if not isinstance(runs, list) or len(runs) > n:
             raise FetchError("checkpoint answer: `have` is malformed")
         got: set[int] = set()
-        for run in runs:
+        end = 0  # runs in order and apart, as a holder makes them: overlapping ones would
+        for run in runs:  # cost n^2 set insertions on the event loop, every refresh
             if not (isinstance(run, list) and len(run) == 2 and all(type(x) is int for x in run)
-                    and 0 <= run[0] < run[1] <= n):
+                    and end <= run[0] < run[1] <= n):
                 raise FetchError("checkpoint answer: `have` is malformed")
+            end = run[1]
             got.update(range(run[0], run[1]))
         have[name] = got
     return have
@@ -213,15 +220,17 @@ class _Answer:
 
 
 async def _get(conn: _Conn, path: str, ok_status: int, limit: int, into: bytearray | None,
-               byte_range: tuple[int, int] | None = None) -> _Answer:
-    """One signed GET of `path` under the base URL; its MAC is not checked here."""
+               byte_range: tuple[int, int] | None = None,
+               timeout: aiohttp.ClientTimeout | None = None) -> _Answer:
+    """One signed GET of `path` under the base URL (`timeout`: conn's for chunks); its MAC is
+    not checked here."""
     url = URL(conn.base + path, encoded=True)
     rid, headers = conn.signer.sign_request("GET", url.path, to=conn.to)
     if byte_range is not None:
         headers["Range"] = f"bytes={byte_range[0]}-{byte_range[1]}"
     where = conn.base.removeprefix("http://")
     try:
-        async with conn.session.get(url, headers=headers, timeout=conn.timeout,
+        async with conn.session.get(url, headers=headers, timeout=timeout or conn.timeout,
                                     allow_redirects=False) as resp:
             status = resp.status
             cap = limit if status == ok_status else MAX_ERROR_BYTES
@@ -276,7 +285,7 @@ async def _describe(conn: _Conn, ckid: str | None) -> tuple[str, mf.Manifest,
                                                             dict[str, set[int]] | None]:
     """What the source holds: its newest checkpoint (`ckid` None) or checkpoint `ckid`."""
     path = "/v1/checkpoint" if ckid is None else f"/v1/checkpoint/{ckid}"
-    answer = await _get(conn, path, 200, MAX_ANSWER_BYTES, None)
+    answer = await _get(conn, path, 200, MAX_ANSWER_BYTES, None, timeout=conn.answer_timeout)
     _check_mac(conn.signer, answer)
     if answer.status == 404:
         raise NoCheckpoint(f"no checkpoint to fetch ({_reason(answer.body)})")
@@ -328,7 +337,7 @@ async def _connect(session: aiohttp.ClientSession, src: Source, signer: Signer,
         return
     src.conn = _Conn(session, base, signer,
                      aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout),
-                     to)
+                     to, aiohttp.ClientTimeout(total=timeout, sock_connect=timeout))
 
 
 def measured(src: Source, sample: float) -> None:
@@ -377,6 +386,7 @@ class _Run:
         self.total = manifest.size(files)
         self.done_bytes = self.total - sum(c.length for c in self.chunks)
         self.error: FetchError | None = None
+        self.progressed = asyncio.get_running_loop().time()  # a chunk last arrived (or start)
         self.workers: set[asyncio.Task] = set()
         self._event = asyncio.Event()
         self.slots = asyncio.Semaphore(MAX_IN_FLIGHT)
@@ -521,6 +531,7 @@ class _Run:
         self.saved.add(chunk)
         src.chunks += 1
         self.done_bytes += chunk.length
+        self.progressed = asyncio.get_running_loop().time()
         for task, _ in self.inflight.get(chunk, {}).values():
             task.cancel()  # the other copies are not needed any more
         if self.progress is not None:
@@ -552,18 +563,31 @@ class _Run:
     def stories(self) -> str:
         return "; ".join(f"{s.addr}: {s.dropped}" for s in self.sources if s.dropped)
 
+    def stalled(self, now: float) -> bool:
+        """No chunk for STALL s, and no usable source holds one still to do."""
+        return now - self.progressed > STALL and not any(
+            src.holds(c) for src in self.usable() for c in self.todo)
+
     async def run(self, more: Callable[[str], Iterable[str]] | None,
-                  connect: Callable[[str], Source]) -> None:
-        """Until every chunk is in, or the fetch cannot go on (FetchError)."""
+                  connect: Callable[[str], Source], joining: Iterable[Source] = ()) -> None:
+        """Until every chunk is in, or the fetch cannot go on (FetchError). `joining`:
+        sources connected but not yet asked what they hold (`_join`)."""
         loop = asyncio.get_running_loop()
         polled = loop.time()
         pending: set[asyncio.Task] = set()
+        for src in joining:
+            task = asyncio.ensure_future(self._join(src))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
         try:
             while self.todo:
                 if self.error is not None:
                     raise self.error
                 if not self.usable() and not pending and not self.workers:
                     raise FetchError(f"no holder left to fetch from ({self.stories()})")
+                if not pending and self.stalled(loop.time()):
+                    raise FetchError(f"no chunk for {STALL:g}s and no source holds one still "
+                                     f"needed ({self.stories() or 'partial holders only'})")
                 if more is not None and loop.time() - polled >= SOURCE_POLL:
                     polled = loop.time()
                     known = {s.addr for s in self.sources}
@@ -683,10 +707,6 @@ async def _fetch(session, addrs: list[str], signer: Signer, out_root: Path,
     if await asyncio.to_thread(existing, final, manifest, files):
         return Fetched(final, manifest)
 
-    now = asyncio.get_running_loop().time()
-    await asyncio.gather(*(_learn(s, manifest, now) for s in srcs  # step 2: what others hold
-                           if s is not giver and s.conn is not None))
-
     have = await asyncio.to_thread(resume, partial, manifest, files)
     saved = ProgressFile(partial, manifest.digest, have)
     held = Held(partial, manifest, have)
@@ -695,9 +715,11 @@ async def _fetch(session, addrs: list[str], signer: Signer, out_root: Path,
     rng = random.Random(seed if seed is not None else f"{signer.node_id}{time.time_ns()}")
     run = _Run(manifest, files, saved, partial, retries, progress, rng)
     loop = asyncio.get_running_loop()
+    later = [s for s in srcs if s is not giver and s.conn is not None]  # step 2, meanwhile
     for src in srcs:
-        src.refreshed = loop.time()
-        run.add(src)
+        if src not in later:
+            src.refreshed = loop.time()
+            run.add(src)
 
     def connect(addr: str) -> Source:
         src = Source(addr)
@@ -705,7 +727,7 @@ async def _fetch(session, addrs: list[str], signer: Signer, out_root: Path,
         return src
 
     try:
-        await run.run(more, connect)
+        await run.run(more, connect, later)
         await asyncio.to_thread(finish, partial, final, manifest, files)
     except BaseException:
         if shelf is not None:

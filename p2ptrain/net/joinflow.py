@@ -85,7 +85,16 @@ class JoinFetcher:
         self.task = asyncio.get_running_loop().create_task(self._run(action))
 
     async def _run(self, action: FetchCheckpoint) -> None:
-        self.answer(await self._fetch(action))
+        """Fetch and answer -- always: the node waits for this answer in `fetching` with no
+        deadline of its own, so a defect escaping the fetch must still end the attempt."""
+        try:
+            answer = await self._fetch(action)
+        except Exception as exc:  # (CancelledError is no Exception: a shutdown stays one)
+            reason = f"{type(exc).__name__}: {exc}"
+            self.reporter.warn(f"checkpoint fetch failed: {reason}", event="fetch_failed",
+                               attempt=action.attempt)
+            answer = CheckpointFetched(None, reason=reason, retry=True)
+        self.answer(answer)
 
     async def _fetch(self, action: FetchCheckpoint) -> CheckpointFetched:
         sources = list(action.sources)
