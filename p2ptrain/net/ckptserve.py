@@ -50,7 +50,7 @@ from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.shelf import Held, Shelf, is_checkpoint_name
 
 MAX_RANGE = mf.MAX_CHUNK_SIZE  # most bytes one range response carries
-PIECE = 256 * 1024  # bytes read from disk and written at a time (at most the bucket's slice)
+PIECE = 1 << 20  # bytes read from disk and written at a time (at most the bucket's slice)
 SERVED_FILES = (mf.MODEL_FILE, mf.STATE_FILE, mf.MANIFEST_FILE)
 
 __all__ = ["MAX_RANGE", "SERVED_FILES", "RangeError", "Serving", "add_checkpoint_routes",
