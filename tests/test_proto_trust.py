@@ -476,3 +476,44 @@ def test_the_member_table_is_bounded(monkeypatch):
     assert len(members.members) == 10 and members.full == 14
     c.run_for(20.0)
     _one_leader(c)
+
+
+def test_per_member_figures_stay_bounded_as_made_up_members_come_and_go(monkeypatch):
+    """A key holder may list made-up members and speak for them (README); the table forgets
+    them, but a node's per-member figures (traffic, progress, refusals, gradients used) kept
+    every id ever heard. They are now dropped past a bound, the traffic totals kept whole."""
+    from itertools import pairwise
+
+    from p2ptrain.proto import nodestatus
+    from p2ptrain.proto.membership import table
+
+    monkeypatch.setattr(table, "MAX_MEMBERS", 10)
+    monkeypatch.setattr(nodestatus, "FIGURES_BOUND", 20)
+    c = _training()
+    forger, victim = 1, 0
+    me = c.nodes[forger].info
+    node = c.training_node(victim)
+    listing = c.training_node(forger).control.membership.table.listing()
+    serial, totals = 0, []
+    for _ in range(10):
+        c.run_for(31.0)  # the table forgets the last batch
+        fakes = []
+        for _ in range(6):
+            serial += 1
+            nid = f"{0xabc000 + serial:032x}"
+            info = replace(me, node_id=nid, addr=f"203.0.113.{serial % 250 + 1}:7100")
+            fakes.append(Update("alive", nid, 1, nid, info))
+        c.inject(victim, Envelope(_header(c, forger), SyncRequest(listing + tuple(fakes), {})),
+                 me.addr)
+        for u in fakes:
+            header = Header(PROTOCOL_VERSION, u.node_id, 1, u.info.addr, u.info.fingerprint, 1,
+                            1, 1, None, ())
+            c.inject(victim, Envelope(header, Notify()), u.info.addr)
+        status = node.status()
+        totals.append((status["bytes_in"], status["bytes_out"]))
+    assert serial == 60 and len(node.control.membership.table.members) <= 10 + 6
+    for figure in (node.bytes_in, node.bytes_out, node.trainer.peer_progress,
+                   node.trainer.guard.refused, node.trainer.mixer.used):
+        assert len(figure) <= 20 + 6 + 4, len(figure)  # the bound, a batch, the real members
+    assert node.bytes_gone[0] > 0  # forgotten members' traffic: still in the totals,
+    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in pairwise(totals)), totals  # growing

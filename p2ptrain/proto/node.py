@@ -93,7 +93,7 @@ from p2ptrain.proto.gossip.trainer import GossipTrainer, TooFar
 from p2ptrain.proto.joining import FETCHING, Join, median_loss, preferred, sources
 from p2ptrain.proto.messages import Ack, Envelope, Out, Ping
 from p2ptrain.proto.nodeconfig import NodeConfig
-from p2ptrain.proto.nodestatus import node_status
+from p2ptrain.proto.nodestatus import forget_gone, node_status
 from p2ptrain.proto.offenders import Offenders
 from p2ptrain.proto.records import ALIVE, MemberInfo
 
@@ -146,6 +146,7 @@ class Node:
         self.skipped = 0  # steps discarded for a non-finite loss or gradient
         self.bytes_in: Counter[str] = Counter()  # wire bytes received, per member
         self.bytes_out: Counter[str] = Counter()  # wire bytes sent, per node id (or address)
+        self.bytes_gone = [0, 0]  # bytes in and out of ids forgotten (nodestatus.forget_gone)
         self._pings: dict[tuple[str, int], float] = {}  # (target, seq) -> when it was sent
 
     # -- queries ------------------------------------------------------------------------------
@@ -212,6 +213,7 @@ class Node:
             actions = self.control.handle(now, event)
             if kind is Tick:
                 self.trainer.tick(now)
+                forget_gone(self)
             elif kind is Leave:
                 self.phase = STOPPED
                 self.trainer.close()

@@ -1,13 +1,40 @@
 """The `/v1/status` document of a training node (node.py's `Node.status`): its phase, join,
 losses, counters, leader, traffic, gossip statistics, offenders, and one row per member it
 knows (state, class, progress, rate, traffic, RTT, bandwidth, holdings, gradients used,
-averaging snapshots refused). Plain data; reads the node, changes nothing."""
+averaging snapshots refused). Plain data; `node_status` reads the node, changes nothing.
+
+Those per-member figures are kept per node id the node has heard, so `forget_gone` drops the
+ids the membership table forgot (it is bounded; made-up members listed by a key holder come
+and go through it), keeping the traffic totals whole."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from p2ptrain.proto.membership.table import MAX_MEMBERS
 from p2ptrain.proto.records import holding_doc
+
+FIGURES_BOUND = 2 * MAX_MEMBERS  # ids in a per-member figure before forgotten ones are dropped
+
+
+def _figures(node: Any) -> tuple[dict, ...]:
+    trainer = node.trainer
+    return (node.bytes_in, node.bytes_out, trainer.peer_progress, trainer.guard.refused,
+            trainer.mixer.used)
+
+
+def forget_gone(node: Any) -> None:
+    """Drop the per-member figures of ids the table no longer holds, once any of them holds
+    more than FIGURES_BOUND (the traffic they carried stays in the node's totals)."""
+    figures = _figures(node)
+    if max(len(f) for f in figures) <= FIGURES_BOUND:
+        return
+    known = node.control.members()
+    for i, figure in enumerate(figures):
+        for key in [k for k in figure if (k.hex() if type(k) is bytes else k) not in known]:
+            value = figure.pop(key)
+            if i < 2:
+                node.bytes_gone[i] += value
 
 
 def node_status(node: Any) -> dict[str, Any]:
@@ -40,7 +67,8 @@ def node_status(node: Any) -> dict[str, Any]:
         "swarm_samples": learner.count.total, "leader": node.control.leader,
         "term": node.control.term, "is_leader": node.control.is_leader,
         "holds": holding_doc(holdings.mine),
-        "bytes_in": sum(node.bytes_in.values()), "bytes_out": sum(node.bytes_out.values()),
+        "bytes_in": sum(node.bytes_in.values()) + node.bytes_gone[0],
+        "bytes_out": sum(node.bytes_out.values()) + node.bytes_gone[1],
         "consensus_distance": trainer.distance, "skipped_steps": node.skipped,
         "peers_last_mix": 0 if mix is None else len(mix.peers),
         "gossip": {**trainer.stats, "average_fallbacks": trainer.guard.fallbacks},
