@@ -333,3 +333,31 @@ def test_a_node_that_stopped_pushing_stops_mixing_and_its_replica_stays_put():
     assert node.stats["track_own_stale"] > 0
     gap = float(np.sqrt(np.mean((swarm.params[a] - swarm.params[b]) ** 2)))
     assert gap < 3 * warm_gap + 1e-3, (warm_gap, gap)
+
+
+def test_a_push_delivered_twice_is_not_applied_twice():
+    """After a push's last part the copy waits for the next push's part 0; the same push's
+    part 0 again matched "the next part of this push" and was added a second time, leaving the
+    copy off its sender's public copy until the next epoch, silently. Now a done push again is
+    a reset (or, for an epoch's first push, a restart that rebuilds the copy)."""
+    swarm = Swarm(2)
+    swarm.step(0.0)
+    for t in range(5):
+        swarm.step(STEADY + t)
+    a, b = swarm.nodes[IDS[0]], swarm.nodes[IDS[1]]
+    assert np.array_equal(b.copies[IDS[0]].vec, a.own)
+    out: list = []
+    a.after_step(STEADY + 6, swarm.params[IDS[0]], [(IDS[1], "x")], bytes.fromhex(IDS[0]), 0,
+                 _give_up, out)
+    push = out[0].body
+    assert push.seq > 1 and push.parts == 1
+    assert b.on_push(STEADY + 6, IDS[0], push, b.parse(IDS[0], push), True) == TRACK_OK
+    assert np.array_equal(b.copies[IDS[0]].vec, a.own)
+    assert b.on_push(STEADY + 6, IDS[0], push, b.parse(IDS[0], push), True) == TRACK_RESET
+    assert IDS[0] not in b.copies  # gone, not wrong: the sender starts a new epoch
+    first = TrackPush(push.epoch + 1, 1, tuple(_chunks_from(IDS[0])), 0, 1)
+    assert b.on_push(STEADY + 7, IDS[0], first, b.parse(IDS[0], first), True) == TRACK_OK
+    once = b.copies[IDS[0]].vec.copy()
+    # an epoch's first push again: the copy is rebuilt from zero, the same
+    assert b.on_push(STEADY + 7, IDS[0], first, b.parse(IDS[0], first), True) == TRACK_OK
+    assert np.array_equal(b.copies[IDS[0]].vec, once)

@@ -293,8 +293,8 @@ class Tracker:
         if not training:
             return TRACK_REFUSED
         new_epoch = body.seq == 1 and body.part == 0
-        if copy is not None and copy.epoch == body.epoch and (
-                (body.seq == copy.seq and body.part == copy.next_part)
+        if copy is not None and copy.epoch == body.epoch and (  # the push's next part (not
+                (body.seq == copy.seq and body.part == copy.next_part != 0)  # a done one again)
                 or (body.seq == copy.seq + 1 and body.part == 0 and copy.next_part == 0)):
             pass
         elif new_epoch and (copy is not None or self._room(now)):
