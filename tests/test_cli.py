@@ -273,6 +273,13 @@ def test_token_files_with_a_byte_order_mark_or_not_text(tmp_path):
                 "--state-dir", str(tmp_path / "st"), "--steps", "1", timeout=120,
                 env=cli_env(P2PTRAIN_ALONE="false", P2PTRAIN_NET_MDNS="false"))
     assert r.returncode == 2 and "is empty" in r.stderr, r.stderr[-500:]
+    for how in (("--token", ""), ("--token", "  ")):  # `--token "$UNSET"`: likewise
+        r = run_cli("join", *how, "--bind", "127.0.0.1", "--state-dir", str(tmp_path / "st"),
+                    "--steps", "1", timeout=120,
+                    env=cli_env(P2PTRAIN_ALONE="false", P2PTRAIN_NET_MDNS="false"))
+        assert r.returncode == 2 and "token (flag --token) is empty" in r.stderr, r.stderr
+    r = run_cli("checkpoint", "fetch", *peer, env=cli_env(P2PTRAIN_TOKEN=""))
+    assert r.returncode == 2 and "token (env P2PTRAIN_TOKEN) is empty" in r.stderr, r.stderr
 
 
 def test_a_reader_that_leaves_early_is_no_traceback():
@@ -318,3 +325,16 @@ def test_a_port_in_use_or_a_port_in_bind_says_what_to_do(tmp_path):
     assert r.returncode == 2 and "choose another --port" in r.stderr, r.stderr[-500:]
     said = listen_error(OSError(99, "Cannot assign requested address"), "127.0.0.1:7100", 7100)
     assert "the port is --port" in said
+
+
+def test_ctrl_c_while_the_cli_starts_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in the first half second (while the parser's modules load) printed a
+    traceback: the interrupt came before the `try` that reports it."""
+    from p2ptrain.cli import main as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["hw"]) == 130
+    assert capsys.readouterr().err == "p2ptrain: interrupted\n"

@@ -3,7 +3,7 @@ a failure under CI=true), filled to the last byte, holding the node's state dire
 
 A node that starts there (networked, alone in its swarm, so it becomes the leader; or the
 alone loop) says "no space left" in one line per failed write -- no traceback -- keeps
-stepping, retries, and writes its checkpoint once space is freed (the alone loop whose final
+stepping, retries, and writes its checkpoint once space is freed (a node whose final
 checkpoint cannot be written exits 1). A node with no identity
 yet cannot make one there and exits 2 with one line."""
 
@@ -108,6 +108,21 @@ def test_a_leader_on_a_full_disk_keeps_training_and_checkpoints_once_space_is_fr
         assert manifest.step >= step and written[0]["path"].startswith(str(state))
         assert node.alive()
         assert lab.stop_all() == [0]
+        _no_traceback(node.output())
+
+
+def test_a_networked_node_whose_final_checkpoint_fails_exits_1(tmp_path, small_disk):
+    """As the alone loop does: it warned and exited 0, so a script could not tell that what
+    it trained since its last checkpoint was lost."""
+    state = small_disk / "state"
+    load_or_create(state)
+    fill(small_disk)
+    with SwarmLab(tmp_path / "lab") as lab:
+        node = lab.start("node", free_ports(1)[0], [], state=state)
+        wait_for("a few steps", lambda: node.status()["step"] >= 5, 60)
+        assert lab.stop_all() == [1]
+        lost = [e for e in node.events() if e.get("event") == "final_checkpoint_lost"]
+        assert lost and "are lost" in lost[0]["message"], node.output()[-2000:]
         _no_traceback(node.output())
 
 

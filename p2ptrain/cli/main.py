@@ -202,6 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # (also while the parser is built: imports take a moment)
+        print("p2ptrain: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     _limit_blas_threads()
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -219,9 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     except commands.USER_ERRORS as exc:
         print(f"p2ptrain: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("p2ptrain: interrupted", file=sys.stderr)
-        return 130
     except MemoryError as exc:  # numpy's too-big allocation says how much it wanted
         print(f"p2ptrain: error: out of memory ({str(exc) or 'an allocation failed'}); "
               f"`p2ptrain hw` shows the largest model this machine holds: choose a smaller "

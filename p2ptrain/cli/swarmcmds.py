@@ -74,6 +74,10 @@ def swarm_of(cfg: Config, config_file: str | None) -> Swarm:
 
 def _current_swarm(cfg: Config, config_file: str | None) -> Swarm:
     token = cfg["swarm.token"]
+    given = cfg.sources.get("swarm.token", "default")
+    if not token.strip() and given.startswith(("flag", "env")):  # `--token "$UNSET"`: not the
+        raise SwarmError(f"the swarm token ({given}) is empty: give the line `p2ptrain init` "
+                         f"printed (without one, `join` uses the public demo swarm)")  # demo
     if not token and cfg["swarm.token_file"]:
         path = Path(cfg["swarm.token_file"]).expanduser()
         try:  # utf-8-sig: a byte-order mark (Windows editors) is not part of the token

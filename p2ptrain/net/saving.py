@@ -54,6 +54,7 @@ class Saver:
         self.failures = 0  # writes failed in a row
         self.retry: asyncio.TimerHandle | None = None  # the retry of a failed write
         self.closed = ""  # why no more checkpoints are written ("": they are)
+        self.lost = False  # a final write failed and none was written since
 
     @property
     def seconds(self) -> float:
@@ -115,7 +116,7 @@ class Saver:
         except Exception as exc:
             self._failed(exc, term, reason, final)
             return
-        self.failures = 0
+        self.failures, self.lost = 0, False
         self.reporter.info(f"checkpoint {path.name} written in {self.seconds:.2f}s "
                            f"({reason}{', final' if final else ''})", event="checkpoint",
                            path=str(path), step=step, term=term, final=final)
@@ -130,9 +131,21 @@ class Saver:
         then = "" if final else f"; training goes on, retrying in {delay:.0f}s"
         self.reporter.warn(f"checkpoint not written ({reason}): {why}{then}",
                            event="checkpoint_failed", reason=reason, failures=self.failures)
+        self.lost = self.lost or final
         if not final:
             self.retry = asyncio.get_running_loop().call_later(
                 delay, self._retry, term, reason.removesuffix(", retry") + ", retry")
+
+    def lost_final(self, step: int) -> int:
+        """The exit code's share of a stopped run: 1, said in one line, when its final
+        checkpoint failed and none was written since (its last steps are lost; scripts must
+        be able to tell), else 0."""
+        if not self.lost:
+            return 0
+        self.reporter.error("the final checkpoint was not written (see the warning above): the "
+                            "steps since the last checkpoint written are lost",
+                            event="final_checkpoint_lost", step=step)
+        return 1
 
     def _retry(self, term: int, reason: str) -> None:
         self.retry = None
