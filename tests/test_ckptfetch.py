@@ -162,9 +162,22 @@ def test_fetch_returns_a_checkpoint_equal_to_the_leaders(leader, tmp_path):
 
 
 def test_a_wrong_swarm_key_is_refused_with_401(leader, tmp_path):
-    with pytest.raises(FetchError, match="refused our authentication.*401"):
+    with pytest.raises(FetchError, match="refused our authentication.*401") as err:
         fetch(leader, tmp_path / "out", key=OTHER_KEY)
     assert leader.counts["chunks"] == 0 and not (tmp_path / "out").exists()
+    assert str(err.value).count("swarm key") == 1, err.value  # asked once, not twice
+
+
+def test_a_refusal_warning_asks_about_the_key_once():
+    from p2ptrain.net.refusals import RefusalWatch
+
+    said: list[str] = []
+    watch = RefusalWatch(60.0, lambda: 0.0, said.append, said.append)
+    watch.refused("10.0.0.2:7100", "hello MAC does not verify (wrong swarm key?)")
+    watch.refused("10.0.0.3:7100", "request MAC does not verify")
+    watch = RefusalWatch(60.0, lambda: 0.0, said.append, said.append)
+    watch.refused("10.0.0.3:7100", "request MAC does not verify")
+    assert [w.count("swarm key") for w in said] == [1, 1], said
 
 
 def test_requests_without_mac_or_replayed_get_401_and_a_body_gets_400(leader):

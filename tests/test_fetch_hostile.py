@@ -20,7 +20,7 @@ from p2ptrain.net import ckptserve
 from p2ptrain.net import fetch as fetchmod
 from p2ptrain.net.auth import MAC, AuthError, ServerAuth, Signer
 from p2ptrain.net.ckptserve import Serving, add_checkpoint_routes, describe
-from p2ptrain.net.fetch import FetchError, check_answer, fetch_checkpoint
+from p2ptrain.net.fetch import FetchError, NoCheckpoint, check_answer, fetch_checkpoint
 from p2ptrain.net.hello import add_hello_route
 from p2ptrain.net.joinflow import JoinFetcher
 from p2ptrain.net.shelf import Held, Shelf
@@ -241,3 +241,18 @@ def test_a_range_is_streamed_from_disk_a_piece_at_a_time(leader, monkeypatch):
         f.seek(5)
         assert body == f.read(len(body))
     assert reads and max(reads) <= 4096 and sum(reads) == len(body)
+
+
+def test_a_source_without_a_checkpoint_is_named_once(leader, tmp_path):
+    """"checkpoint fetch from A: A: no checkpoint to fetch (...)" named the leader twice."""
+    empty = Leader(leader.ident, tmp_path / "none", leader.ckid, leader.tensors, leader.auth)
+    empty.shelf = Shelf(lambda: [])
+
+    async def run():
+        return await _fetch_from([make_app(empty)], tmp_path, leader.ident.node_id)
+
+    with pytest.raises(NoCheckpoint) as err:
+        asyncio.run(run())
+    text = str(err.value)
+    addr = text.removeprefix("checkpoint fetch from ").split(": ", 1)[0]
+    assert text.count(addr) == 1 and "no checkpoint to fetch" in text, text

@@ -644,6 +644,10 @@ async def fetch_checkpoint(session: aiohttp.ClientSession, sources: list[str], s
         raise kind(f"checkpoint fetch from {sources[0]}: {text}") from None
 
 
+def _who(i: int, src: Source) -> str:
+    return "" if i == 0 else f"{src.addr}: "
+
+
 async def _manifest(srcs: list[Source], expected: str | None, prefer: str | None = None
                     ) -> tuple[mf.Manifest, Source | None]:
     """The manifest to fetch, and the source that gave it (see step 2)."""
@@ -654,24 +658,24 @@ async def _manifest(srcs: list[Source], expected: str | None, prefer: str | None
             if have is None and (expected is None or manifest.leader == expected):
                 leader.have = have
                 return manifest, leader  # whole at the leader, signed by it
-    reasons: list[str] = []
+    reasons: list[str] = []  # (the first source's without its address: the error names it)
     none_held = True
     for i, src in enumerate(srcs):
         if src.conn is None:
-            reasons.append(f"{src.addr}: {src.dropped}")
+            reasons.append(f"{_who(i, src)}{src.dropped}")
             none_held = False
             continue
         try:
             _, manifest, have = await _describe(src.conn, None)
         except NoCheckpoint as exc:
-            reasons.append(f"{src.addr}: {exc}")
+            reasons.append(f"{_who(i, src)}{exc}")
             continue
         except (_Retry, _Drop, FetchError) as exc:
-            reasons.append(f"{src.addr}: {exc}")
+            reasons.append(f"{_who(i, src)}{exc}")
             none_held = False
             continue
         if expected is not None and manifest.leader != expected:
-            reasons.append(f"{src.addr}: manifest signed by {manifest.leader}, not the leader "
+            reasons.append(f"{_who(i, src)}manifest signed by {manifest.leader}, not the leader "
                            f"{expected}")
             none_held = False
             continue

@@ -84,8 +84,9 @@ async def _hello(session: aiohttp.ClientSession, base: str, signer: Signer, key:
         raise HelloError(f"{base} does not answer {HELLO}: it runs an older p2ptrain (protocol "
                          f"1); this node speaks protocol {PROTOCOL_VERSION}")
     if status == 401:
-        raise HelloRefused(f"{base} refused our authentication (HTTP 401: {_reason(body)}); is "
-                         f"this the right swarm key?")
+        reason = _reason(body)  # (ours say "wrong swarm key?" already: not asked twice)
+        hint = "" if "swarm key" in reason else "; is this the right swarm key?"
+        raise HelloRefused(f"{base} refused our authentication (HTTP 401: {reason}){hint}")
     if status != 200 or len(body) > MAX_ANSWER:
         raise HelloError(f"{base} refused our hello (HTTP {status}: {_reason(body)})")
     try:

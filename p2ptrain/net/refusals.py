@@ -32,8 +32,8 @@ _OLDER = re.compile(r"incarnation (\d+) is older than (\d+)")
 def _cause(reason: str) -> str:
     """What a refusal most likely means, and what to do."""
     older = _OLDER.search(reason)
-    if older is None:
-        return "is the swarm key right?"
+    if older is None:  # (the peer's reason may ask already: not asked twice)
+        return "" if "swarm key" in reason else "is the swarm key right?"
     return (f"the peers remember a later start of this node (incarnation {older.group(2)}, "
             f"this one is {older.group(1)}): was its state directory restored from a backup? "
             f"Stop it, write {int(older.group(2)) + 1} into the state directory's "
@@ -82,8 +82,9 @@ class RefusalWatch:
         self.reason = reason
         if not self.warned:
             self.warned = True
-            self.warn(f"{addr} refuses this node's requests (HTTP 401: {reason}): "
-                      f"{_cause(reason)}")
+            cause = _cause(reason)
+            self.warn(f"{addr} refuses this node's requests (HTTP 401: {reason})"
+                      + (f": {cause}" if cause else ""))
         self._judge()
 
     def failed(self, addr: str) -> None:

@@ -238,7 +238,8 @@ class Node:
                 self.learner.count.total if self.join_steps else 0, held.of)
         self.control.hold_claims(not self.join.done and self.join.attempt > 0)
         if self.join_steps:  # the start log says what became of the steps taken alone
-            actions[:] = [Joined(f"{a.reason}; {self.join_steps} steps taken alone while no "
+            n = self.join_steps
+            actions[:] = [Joined(f"{a.reason}; {n} step{'s' * (n != 1)} taken alone while no "
                                  f"leader was known") if type(a) is Joined else a
                           for a in actions]
         for action in list(actions):
