@@ -338,3 +338,19 @@ def test_ctrl_c_while_the_cli_starts_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["hw"]) == 130
     assert capsys.readouterr().err == "p2ptrain: interrupted\n"
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["join", "--prot", "7101"], "usage: p2ptrain join", "did you mean --port?"),
+    (["checkpoint", "fetch", "--weigths-only"], "usage: p2ptrain checkpoint fetch",
+     "did you mean --weights-only?"),
+    (["status", "extra"], "usage: p2ptrain status", "unrecognized arguments: extra\n"),
+])
+def test_a_mistyped_flag_is_told_by_its_subcommand(argv, usage, hint, capsys):
+    """It printed the top-level usage (`p2ptrain [-h] [--version] COMMAND ...`) and no hint."""
+    from p2ptrain.cli import main as cli
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith(usage) and hint in err, err

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a node's view of the swarm", description=(
         "Members (id, address, device class, state, step, loss, samples, bytes in/out, "
         "RTT), the leader and term, and the swarm's sample count, as one node sees them."))
-    status.add_argument("--peer", default=None, help="the node to ask (default 127.0.0.1:7100)")
+    status.add_argument("--peer", default=None, metavar="HOST:PORT",
+                        help="the node to ask (default 127.0.0.1:7100)")
     status.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
     ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
@@ -186,7 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="show the effective configuration")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     show = config_sub.add_parser("show", help="print the effective configuration as TOML, "
-                                 "with where each value came from")
+                                 "with where each value came from", description=(
+                                     "The configuration `join` would run with, as TOML: each "
+                                     "value with where it came from (flag, environment, file "
+                                     "or default). A flag overrides the environment, which "
+                                     "overrides the file, which overrides the default."))
     show.add_argument("--config", help="TOML configuration file [env P2PTRAIN_CONFIG]")
     _add_option_flags(show, SWARM_KEYS + NET_KEYS + JOIN_KEYS)
     _add_no_mdns(show)
@@ -201,6 +206,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                  extra: list[str]) -> None:
+    """Exit 2 naming the arguments the chosen (sub)command does not take, with its usage and
+    the flag it most likely meant."""
+    import difflib
+
+    chosen = parser
+    while True:  # down the subcommands the arguments chose
+        subs = [a for a in chosen._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name is None:
+            break
+        chosen = subs[0].choices[name]
+    flags = [f for a in chosen._actions for f in a.option_strings]
+    near = difflib.get_close_matches(extra[0].split("=")[0], flags, n=1)
+    chosen.error(f"unrecognized arguments: {' '.join(extra)}"
+                 + (f" (did you mean {near[0]}?)" if near else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -212,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     _limit_blas_threads()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser (its usage, a close flag), not the top one
+        _unrecognized(parser, args, extra)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
