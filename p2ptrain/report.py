@@ -111,8 +111,8 @@ class Reporter:
                 eval_loss: float | None) -> None:
         """The run's last line: why it stopped and how far it got."""
         held = f", held-out loss {eval_loss:.3f}" if eval_loss is not None else ""
-        self._emit(logging.INFO, "stopped", f"stopped: {reason}; {step} steps, "
-                   f"{human_count(samples)} samples{held}",
+        self._emit(logging.INFO, "stopped", f"stopped: {reason}; at step {step}, "
+                   f"{human_count(samples)} samples{held}",  # (the run's, not this start's)
                    {"reason": reason, "step": step, "eval_loss": eval_loss})
 
     def progress(self, step: int, loss: float, eval_loss: float | None, tokens_per_s: float,

@@ -3,7 +3,7 @@ nothing new is not printed again (until a quiet minute has passed)."""
 
 from __future__ import annotations
 
-from p2ptrain.net.progress import Repeats, progress_line
+from p2ptrain.net.progress import Repeats, progress_line, say_leader
 
 DOC = {"node_id": "a" * 32, "step": 12, "loss": 2.5, "eval_loss": None, "term": 3,
        "members": [{"state": "alive"}, {"state": "dead"}], "leader": "a" * 32,
@@ -24,3 +24,17 @@ def test_an_unchanged_line_is_held_back_until_a_quiet_minute():
     assert r.fresh(text, 61.0)
     moved, _ = progress_line({**DOC, "step": 13}, 0.0, 0.0)
     assert r.fresh(moved, 62.0)
+
+
+def test_a_leader_that_stops_does_not_say_its_lease_lapsed():
+    from p2ptrain.proto import LeaderChanged
+
+    said = []
+
+    class Reporter:
+        def info(self, text, **fields):
+            said.append(text)
+
+    say_leader(Reporter(), LeaderChanged(3, None), "a" * 32, stopping=True)
+    say_leader(Reporter(), LeaderChanged(3, None), "a" * 32)
+    assert said == ["no leader: this node is stopping", "no leader: lease lapsed"]

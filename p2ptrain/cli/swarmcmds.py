@@ -244,8 +244,8 @@ def cmd_status(args) -> int:
     try:
         doc = asyncio.run(get())
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        raise UserError(f"no node answers at {host}:{port} ({exc or type(exc).__name__}); "
-                        f"is `p2ptrain join` running there?") from None
+        raise UserError(f"{explain(exc, format_peer(host, port))}; is `p2ptrain join` "
+                        f"running there?") from None
     if args.json:
         print(json.dumps(doc))
         return 0

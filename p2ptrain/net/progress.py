@@ -98,13 +98,14 @@ async def every_second(job: Callable[[], None]) -> None:
         job()
 
 
-def say_leader(reporter: Reporter, action: Any, own_id: str) -> None:
-    """One log line for a LeaderChanged action."""
+def say_leader(reporter: Reporter, action: Any, own_id: str, stopping: bool = False) -> None:
+    """One log line for a LeaderChanged action (`stopping`: this node is leaving)."""
     fields = dict(event="leader", leader=action.leader, term=action.term)
     if action.leader == own_id:
         reporter.info(f"leading the swarm (term {action.term})", **fields)
     elif action.leader is None:
-        reporter.info("no leader: lease lapsed", **fields)
+        reporter.info("no leader: this node is stopping" if stopping else
+                      "no leader: lease lapsed", **fields)
     else:
         reporter.info(f"leader is {action.leader[:12]} (term {action.term})", **fields)
 

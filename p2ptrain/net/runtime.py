@@ -227,7 +227,7 @@ class Runtime:
             self.saver.save(self.node.control.term, reason="local")
 
     def _leader_changed(self, action: LeaderChanged) -> None:
-        say_leader(self.reporter, action, self.node_id)
+        say_leader(self.reporter, action, self.node_id, self._stopping)
         if action.leader == self.node_id:
             record_term(self.state_dir / TERM_FILE, action.term, self.reporter.warn)
             self.saver.save(action.term, reason="new leader")
