@@ -6,6 +6,7 @@ and a real node that joins with only the base's id fetches it and trains."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import shutil
 from pathlib import Path
@@ -205,3 +206,43 @@ def test_a_damaged_base_on_disk_is_a_clear_error_not_a_traceback(tmp_path):
         train=types.SimpleNamespace(mode="lora"), host=types.SimpleNamespace(state_dir=tmp_path))
     with pytest.raises(UserError, match="damaged: remove its directory"):
         missing_base(settings)
+
+
+def test_a_trickled_manifest_is_given_up_and_the_next_server_asked(base, tmp_path):
+    """A member answering `GET /v1/base/{id}` a byte at a time, under the read timeout, held
+    the fetch for good (the CLI's `join --base ID`, a joiner's base fetch)."""
+    me = ServerAuth(KEY, secrets.token_hex(16), 1)
+
+    async def trickle(request):
+        me.verify(request.method, request.path, request.headers, b"")
+        resp = web.StreamResponse(status=200)
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(600):
+                await resp.write(b" ")
+                await asyncio.sleep(0.5)
+        return resp
+
+    honest = Server({base.id: base.path})
+
+    async def run():
+        app = web.Application()
+        add_hello_route(app, me)
+        app.router.add_get("/v1/base/{id}", trickle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            await honest.start()
+            async with aiohttp.ClientSession() as session:
+                return await asyncio.wait_for(fetch_base(
+                    session, [f"127.0.0.1:{runner.addresses[0][1]}", honest.addr],
+                    Signer(KEY, secrets.token_hex(16), 1), base.id, tmp_path / "bases",
+                    timeout=2.0), 60)
+        finally:
+            await runner.cleanup()
+            await honest.runner.cleanup()
+
+    verify_base(asyncio.run(run()))
+    assert honest.served == base.size

@@ -74,7 +74,8 @@ async def _manifest(sources: list[Source], base_id: str) -> bytes:
         if src.conn is None:
             continue
         try:
-            answer = await _get(src.conn, f"/v1/base/{base_id}", 200, MAX_MANIFEST, None)
+            answer = await _get(src.conn, f"/v1/base/{base_id}", 200, MAX_MANIFEST, None,
+                                timeout=src.conn.answer_timeout)  # whole: not trickled
             _check_mac(src.conn.signer, answer)
         except (_Retry, _Drop) as exc:
             src.dropped = _printable(str(exc), 300)
