@@ -31,6 +31,8 @@ from p2ptrain.outerstate import OUTER, state_arrays
 from p2ptrain.owed8 import Owed8
 from p2ptrain.swarmcount import SwarmCount
 
+COUNT_MAX = 2**53  # a count, step or position a checkpoint's resume data may hold
+
 DIVERGED_HINT = ("lower the learning rate (--lr) or lengthen the warm-up; the checkpoints "
                  "written before it are kept")
 EVAL_BATCH = 32  # held-out windows per forward pass, at most (never more than a micro-batch)
@@ -294,6 +296,9 @@ class Learner:
                 epoch, index = int(data["epoch"]), int(data["index"])
             except (KeyError, TypeError, ValueError) as exc:
                 raise checkpoint.CheckpointError(f"{path.name}: bad resume data ({exc})") from None
+            if not all(0 <= v <= COUNT_MAX for v in (step, samples, adam_t, epoch, index)):
+                raise checkpoint.CheckpointError(f"{path.name}: resume data out of range (step, "
+                                                 f"samples, adam_t or data position)")
             same_node = meta.get("node_id") == self.node_id
         staged = self.grad  # free between steps; overwritten by the next one
         checkpoint.load_tensors(path, checkpoint.MODEL_FILE, space.views(staged))
@@ -316,6 +321,10 @@ class Learner:
                 checkpoint.load_tensors(path, checkpoint.STATE_FILE,
                                         {"adam.m": self.opt.m, "adam.v": self.opt.v,
                                          **(outer or {})})
+                if not (all_finite(self.opt.m) and all_finite(self.opt.v)
+                        and float(self.opt.v.min(initial=0.0)) >= 0.0):  # else the first
+                    raise checkpoint.CheckpointError(  # steps "diverge", blaming the lr
+                        f"{path.name}: optimiser moments not finite, or a negative variance")
             except checkpoint.CheckpointError:
                 self.opt.reset()
                 raise

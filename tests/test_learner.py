@@ -179,3 +179,25 @@ def test_a_snapshot_taken_while_the_next_step_draws_its_batch_records_the_applie
     assert lr.snapshot(term=0).state_meta["data"] == applied
     lr.apply_gradient(lr.grad, 1.0)
     assert lr.snapshot(term=0).state_meta["data"] == lr.sampler.position()
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda s: setattr(s.opt, "t", -3), "resume data out of range"),  # math domain error
+    (lambda s: setattr(s, "samples", -7), "resume data out of range"),
+    (lambda s: s.opt.v.__setitem__(5, -1.0), "negative variance"),  # "diverged: lower lr"
+    (lambda s: s.opt.m.__setitem__(5, np.nan), "moments not finite"),
+])
+def test_resume_data_out_of_range_is_a_checkpoint_error_naming_it(tmp_path, spoil, message):
+    """A state file that parsed but held a negative count or broken moments gave a traceback
+    at the first step, or a run 'diverged' with advice to lower the learning rate, at every
+    restart."""
+    ident = load_or_create(tmp_path)
+    first = make(ident.node_id)
+    for _ in range(3):
+        first.train_step()
+    spoil(first)
+    path = checkpoint.save(tmp_path / "ck", first.snapshot(term=0), ident, keep=2)
+    resumed = make(ident.node_id)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{path.name}: .*{message}"):
+        resumed.restore(path, checkpoint.read_manifest(path))
+    assert resumed.step == 0 and not resumed.opt.v.any()  # nothing half-loaded

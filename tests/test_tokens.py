@@ -279,3 +279,38 @@ def test_a_shard_truncated_during_a_run_is_an_error_not_a_crash(shakespeare, tmp
     assert np.array_equal(shards[0:50], first[:50])  # what is still there reads
     with pytest.raises(TokenDataError, match="shorter than meta.json says"):
         shards[0:64]
+
+
+@pytest.mark.parametrize("setting", [
+    {"truncation": {"direction": "Right", "max_length": 4, "strategy": "LongestFirst",
+                    "stride": 0}},
+    {"truncation": {"direction": "Right", "max_length": 2, "strategy": "LongestFirst",
+                    "stride": 5}},  # a setting the library panics on (235,633 lines)
+    {"padding": {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+                 "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"}},
+])
+def test_a_tokenizers_truncation_and_padding_are_not_applied_to_a_corpus(
+        shakespeare, tmp_path, setting):
+    """A Hugging Face tokenizer.json may carry them (for a model's inputs): every line was cut
+    to 4 tokens (77% of the text gone) or padded to 64 (76% pad ids), exit 0."""
+    root, tokenizer, out, summary = shakespeare
+    doc = json.loads(tokenizer.read_text())
+    doc.update(setting)
+    (tmp_path / "tok.json").write_text(json.dumps(doc))
+    got = prepare([root / "text"], tmp_path / "tok.json", tmp_path / "c", shard_tokens=50_000,
+                  progress=False, say=lambda _t: None)
+    assert (got.train_tokens, got.heldout_tokens) == (summary.train_tokens,
+                                                      summary.heldout_tokens)
+
+
+def test_a_tokenizer_whose_ids_reach_far_past_its_entries_is_refused(tmp_path):
+    """One id moved to 2e9 made a vocabulary of 2,000,000,001 (a 238 GiB embedding)."""
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1, "e": 2_000_000_000},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "t.txt").write_text("a e a e\n")
+    with pytest.raises(TokenDataError, match="reach 2,000,000,000 for 3 entries"):
+        prepare([tmp_path / "t.txt"], tmp_path / "tokenizer.json", tmp_path / "c",
+                progress=False)
+    assert not (tmp_path / "c").exists()

@@ -165,8 +165,10 @@ def tokenizer_of(document: str, where: Path):
     """The `tokenizers` tokenizer a checkpoint carries (its weights' metadata)."""
     from tokenizers import Tokenizer
 
+    from p2ptrain.data.tokens import plain
+
     try:
-        return Tokenizer.from_str(document)
+        return plain(Tokenizer.from_str(document))
     except Exception as exc:  # the library raises its own exception types
         raise UserError(f"{where.name}: the tokenizer it carries does not load: "
                         f"{str(exc)[:120]}") from None

@@ -31,6 +31,7 @@ from p2ptrain.data.tokens import (
     TOKENIZER_FILE,
     TokenDataError,
     dtype_for,
+    plain,
     sha256_file,
     vocab_of,
 )
@@ -186,11 +187,16 @@ def prepare(inputs: list[Path], tokenizer_path: Path, out: Path, holdout_fractio
     if not 0.0 < holdout_fraction < 1.0:
         raise TokenDataError(f"holdout fraction must lie in (0, 1), got {holdout_fraction}")
     try:
-        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        tokenizer = plain(Tokenizer.from_file(str(tokenizer_path)))
     except Exception as exc:  # the library raises its own exception types
         raise TokenDataError(f"{tokenizer_path} is not a tokenizers document: "
                              f"{str(exc)[:120]}") from None
     vocab = vocab_of(tokenizer)  # the ids' range, not their count
+    entries = tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab > max(4 * entries, entries + 65536):  # the model's vocabulary follows the range
+        raise TokenDataError(f"{tokenizer_path}: its ids reach {vocab - 1:,} for {entries:,} "
+                             f"entries: a model would have a vocabulary of {vocab:,}; "
+                             f"renumber its ids")
     dtype_name = dtype_for(vocab)
     files = input_files(inputs)
     total_bytes = sum(p.stat().st_size for p in files)

@@ -167,6 +167,14 @@ def vocab_of(tokenizer: Any) -> int:
     return max(tokenizer.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
 
+def plain(tokenizer: Any) -> Any:
+    """`tokenizer` without the truncation and padding a Hugging Face tokenizer.json may carry
+    (set for a model's inputs, they would silently cut or pad every line of a corpus)."""
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
 def _tokenizer_vocab(tokenizer_json: str, root: Path) -> int:
     from tokenizers import Tokenizer
 
