@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.helpers import REPO, cli_env, run_cli
@@ -354,3 +355,39 @@ def test_a_mistyped_flag_is_told_by_its_subcommand(argv, usage, hint, capsys):
         cli.main(argv)
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.startswith(usage) and hint in err, err
+
+
+def test_sample_refuses_weights_that_are_not_finite(tmp_path):
+    """A checkpoint (signed by whoever wrote it) with a NaN head gave a traceback in the
+    sampler, or with --temperature 0 twenty NUL bytes and exit 0; `export` refused it."""
+    from p2ptrain import checkpoint
+    from p2ptrain.identity import load_or_create
+    from tests.test_learner import make
+
+    ident = load_or_create(tmp_path / "id")
+    learner = make(ident.node_id)
+    learner.params[-10:] = np.nan
+    path = checkpoint.save(tmp_path / "ck", learner.snapshot(term=0), ident, keep=1)
+    for temperature in ("1", "0"):
+        r = run_cli("sample", "--checkpoint", str(path), "--length", "20", "--temperature",
+                    temperature)
+        assert r.returncode == 2 and r.stderr == (
+            f"p2ptrain: error: {path.name}: its weights hold NaN or infinite values\n"), r.stderr
+
+
+def test_sample_refuses_a_carried_tokenizer_larger_than_the_vocabulary(tmp_path):
+    """A byte model (256 ids) carrying a 400-token tokenizer: an IndexError traceback."""
+    from tokenizers import Tokenizer, models
+
+    from p2ptrain import checkpoint
+    from p2ptrain.identity import load_or_create
+    from tests.test_learner import make
+
+    ident = load_or_create(tmp_path / "id")
+    learner = make(ident.node_id)
+    words = {f"w{i}": i for i in range(400)}
+    learner.tokenizer_json = Tokenizer(models.WordLevel(words, unk_token="w0")).to_str()
+    path = checkpoint.save(tmp_path / "ck", learner.snapshot(term=0), ident, keep=1)
+    r = run_cli("sample", "--checkpoint", str(path), "--length", "5")
+    assert r.returncode == 2 and "the tokenizer it carries has 400 ids; the model's " \
+        "vocabulary is 256" in r.stderr, r.stderr

@@ -300,3 +300,14 @@ def test_rejects_bad_sizes_and_buffers():
         model.loss(flat[:-1].copy(), tokens_for(1, 4))
     with pytest.raises(ValueError):
         model.loss_and_grad(flat, tokens_for(1, 4), model.space.zeros(np.float64))
+
+
+def test_an_arch_with_a_million_blocks_is_refused_before_it_is_built():
+    """A checkpoint's, an HF directory's or a base's arch is a file's word: n_layer 10^6 kept
+    `sample`, `join --base` busy for minutes and 3.7-4.3 GB before any size check."""
+    from p2ptrain.models import model_from_arch
+    from p2ptrain.models.rwkv import MAX_LAYERS
+
+    with pytest.raises(ValueError, match=f"n_layer 1000000 is above {MAX_LAYERS}"):
+        model_from_arch({"model": "rwkv", "n_layer": 10**6, "n_embd": 8, "ctx_len": 4})
+    assert model_from_arch({"model": "rwkv", "n_layer": 24, "n_embd": 8, "ctx_len": 4})

@@ -14,9 +14,10 @@ import numpy as np
 from p2ptrain import checkpoint
 from p2ptrain.checkpoint.safetensors_io import SafetensorsError
 from p2ptrain.cli.args import flags_of, model_params, resolve_checkpoint, resolve_config
+from p2ptrain.codecs.kernels import all_finite
 from p2ptrain.config import ConfigError, to_toml
 from p2ptrain.data import DataError
-from p2ptrain.data.tokens import TokenDataError
+from p2ptrain.data.tokens import TokenDataError, vocab_of
 from p2ptrain.errors import UserError
 from p2ptrain.identity import IdentityError
 from p2ptrain.swarm import SwarmError
@@ -131,12 +132,17 @@ def cmd_sample(args) -> int:
     path, manifest = resolve_checkpoint(Path(args.checkpoint).expanduser())
     model = model_of_checkpoint(path, manifest, args.base)
     params, meta = model_params(path, manifest, model)
+    if not all_finite(params):  # (a traceback in the sampler, or NUL bytes and exit 0)
+        raise UserError(f"{path.name}: its weights hold NaN or infinite values")
     if getattr(model, "mode", "full") == "lora":  # the tokenizer travels with the base
         meta = {**model.base.metadata, **meta}
     out = sys.stdout.buffer
     rng = np.random.default_rng(args.seed)
     if checkpoint.TOKENIZER_META_KEY in meta:  # a tokenized model: its tokenizer decodes
         tokenizer = tokenizer_of(meta[checkpoint.TOKENIZER_META_KEY], path)
+        if vocab_of(tokenizer) > model.vocab_size:  # its ids would index past the embedding
+            raise UserError(f"{path.name}: the tokenizer it carries has {vocab_of(tokenizer):,} "
+                            f"ids; the model's vocabulary is {model.vocab_size:,}")
         prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
         text = TokenText(tokenizer)
         out.write(text.feed(prompt).encode("utf-8"))

@@ -405,10 +405,14 @@ def export_hf(model: RWKV, flat: np.ndarray, out_dir: str | os.PathLike,
     elif tokenizer_document is not None:
         try:
             tok_doc = json.loads(tokenizer_document)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise HFFormatError(f"the checkpoint's tokenizer is unreadable ({exc})") from None
         if not isinstance(tok_doc, dict) or "model" not in tok_doc:
             raise HFFormatError("the checkpoint's tokenizer is not a tokenizers document")
+        n = _vocab_size(tok_doc, "the checkpoint's tokenizer")
+        if n > model.vocab_size:  # as for --tokenizer: its ids would index past the embedding
+            raise HFFormatError(f"the checkpoint's tokenizer has {n:,} tokens; the model's "
+                                f"vocabulary is {model.vocab_size:,}")
     elif model.vocab_size == 256:
         tok_doc = byte_tokenizer()
 

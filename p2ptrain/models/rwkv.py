@@ -37,6 +37,9 @@ from p2ptrain.params import ParamSpace
 LN_EPS = 1e-5  # added to the variance in every LayerNorm
 
 
+MAX_LAYERS = 4096  # blocks a model may have (the seed's 1B shape has 24)
+
+
 @dataclass(frozen=True)
 class RWKVConfig:
     vocab_size: int = 256  # token ids (bytes)
@@ -173,6 +176,8 @@ class RWKV(Model):
         c = config
         if min(c.vocab_size, c.n_layer, c.n_embd, c.ctx_len, c.ffn_mult, c.wkv_chunk) < 1:
             raise ValueError(f"every rwkv size must be >= 1: {config}")
+        if c.n_layer > MAX_LAYERS:  # (a file's arch: building a million blocks takes minutes
+            raise ValueError(f"rwkv n_layer {c.n_layer} is above {MAX_LAYERS}")  # and GBs)
         self.config = config
         self.vocab_size = c.vocab_size
         self.ctx_len = c.ctx_len
