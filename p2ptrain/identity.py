@@ -86,8 +86,10 @@ def load_or_create(state_dir: Path, bump_incarnation: bool = True) -> Identity:
         # the node as a replay; a new identity is a new member to them
         fresh = (f"remove it and {state_dir / KEY_FILE} to join as a new node (or write a "
                  f"number above the last one this node used)")
-        try:
-            incarnation = int(inc_path.read_text().strip() or 0)
+        try:  # (not a FIFO planted there: that hung the start)
+            incarnation = int(read_regular(inc_path, 64).decode().strip() or 0)
+        except (NotRegularFile, TooLarge) as exc:
+            raise IdentityError(f"{inc_path} is {exc}; {fresh}") from None
         except (ValueError, UnicodeError):
             raise IdentityError(f"{inc_path} does not hold an integer; {fresh}") from None
         except OSError as exc:

@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -36,6 +39,11 @@ def test_directory_and_npy_sources(tmp_path):
     (lambda p: np.save(p / "g.npy", np.array([1, 999])) or p / "g.npy", "0..255"),
     (lambda p: (p / "h.npy").write_bytes(b"not numpy") and p / "h.npy" or p / "h.npy",
      "not a valid .npy"),
+    (lambda p: (p / "e.npy").write_bytes(b"") or p / "e.npy", "not a valid .npy"),  # EOFError
+    (lambda p: np.savez(p / "z.npz", a=np.arange(99)) or (p / "z.npz").rename(p / "z.npy")
+     or p / "z.npy", "an .npz archive"),  # AttributeError: 'NpzFile' ... 'ndim'
+    (lambda p: os.mkfifo(p / "fifo.txt") or p / "fifo.txt", "not a regular file"),  # a hang
+    (lambda p: Path("/dev/zero"), "not a regular file"),  # memory filled
 ])
 def test_bad_sources_raise_one_clear_error(tmp_path, setup, match):
     with pytest.raises(DataError, match=match):

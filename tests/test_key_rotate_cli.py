@@ -62,7 +62,7 @@ def test_a_restart_does_not_open_the_grace_again(tmp_path):
     assert read_used(tmp_path / GRACE_FILE, "another id") == 0.0
     # a damaged count (an empty file after a power cut, a string) reopened the whole grace
     for damaged in (b"", b'{"previous": "%s", "used": "x"}' % swarm.previous_id.encode(),
-                    b"\xff"):
+                    b"\xff", b"[" * 100_000):  # (nested: a RecursionError traceback)
         (tmp_path / GRACE_FILE).write_bytes(damaged)
         assert read_used(tmp_path / GRACE_FILE, swarm.previous_id) == math.inf, damaged
         assert asyncio.run(keys(3600.0)).retired

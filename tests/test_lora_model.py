@@ -251,3 +251,7 @@ def test_a_base_is_made_once_per_source_and_again_when_it_changes(tmp_path, monk
     changed = setup.resolve_base(str(tmp_path / "hf"), tmp_path / "state")
     assert len(made) == 2 and changed.id != first.id
     assert setup.resolve_base(first.id, tmp_path / "state").id == first.id  # by id
+    index = next((tmp_path / "state").rglob(setup.SOURCES))
+    index.write_text("[" * 100_000)  # nested past the recursion limit: it was a traceback
+    assert setup.resolve_base(str(tmp_path / "hf"), tmp_path / "state").id == changed.id
+    assert len(made) == 3  # made again: the index is only a shortcut

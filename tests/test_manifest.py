@@ -3,6 +3,7 @@ and one parser for the store, the server and the fetcher."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -94,6 +95,9 @@ def test_a_term_beyond_the_protocols_bound_is_refused_and_a_damaged_term_file_ig
     for text, want in (("2305843009213693952\n", 0), ("-3", 0), ("\xff", 0), ("41\n", 41)):
         path.write_text(text, encoding="latin-1")
         assert read_term(path) == want, text
+    path.unlink()
+    os.mkfifo(path)  # a FIFO planted there hung the start
+    assert read_term(path) == 0
 
 
 def test_an_incarnation_file_out_of_range_says_what_to_do(tmp_path):
@@ -104,6 +108,10 @@ def test_an_incarnation_file_out_of_range_says_what_to_do(tmp_path):
         (tmp_path / "incarnation").write_text(text)
         with pytest.raises(IdentityError, match="identity.key to join as a new node"):
             load_or_create(tmp_path)
+    (tmp_path / "incarnation").unlink()
+    os.mkfifo(tmp_path / "incarnation")  # it hung the start
+    with pytest.raises(IdentityError, match="incarnation is not a regular file; remove it"):
+        load_or_create(tmp_path)
 
 
 def test_an_identity_key_that_cannot_be_read_is_one_line(tmp_path):

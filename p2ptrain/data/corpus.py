@@ -88,6 +88,8 @@ def _read_tokens(path: Path) -> np.ndarray:
                 raise DataError(f"data directory {path} holds no text files")
             blob = b"\n".join(p.read_bytes() for p in files)
             return np.frombuffer(blob, dtype=np.uint8)
+        if not path.is_file():  # a FIFO would hang the read, /dev/zero fill memory
+            raise DataError(f"data path {path} is not a regular file or a directory")
         if path.suffix == ".npy":
             return _read_npy(path)
         return np.frombuffer(path.read_bytes(), dtype=np.uint8)
@@ -103,8 +105,11 @@ def _read_tokens(path: Path) -> np.ndarray:
 def _read_npy(path: Path) -> np.ndarray:
     try:
         arr = np.load(path, allow_pickle=False, mmap_mode="r")
-    except ValueError as exc:
-        raise DataError(f"{path} is not a valid .npy token array: {exc}") from None
+    except (ValueError, EOFError) as exc:  # (EOFError: an empty file)
+        raise DataError(f"{path} is not a valid .npy token array: {exc or 'empty'}") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive under an .npy name
+        arr.close()
+        raise DataError(f"{path} is an .npz archive, not a .npy token array")
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise DataError(f"{path}: expected a 1-D integer token array, got {arr.dtype} {arr.shape}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= VOCAB_SIZE):

@@ -93,7 +93,7 @@ def _made_before(root: Path, src: Path, dtype: str):
         index = json.loads((root / SOURCES).read_text())
         base_id = index[_source_key(src, dtype)]
         return find_base(base_id, [root]) if isinstance(base_id, str) else None
-    except (OSError, ValueError, KeyError, TypeError, BaseError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, BaseError):
         return None
 
 
@@ -101,7 +101,7 @@ def _remember(root: Path, src: Path, dtype: str, base_id: str) -> None:
     try:
         index = json.loads((root / SOURCES).read_text())
         index = index if isinstance(index, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         index = {}
     index[_source_key(src, dtype)] = base_id
     atomic_write_bytes(root / SOURCES, json.dumps(index, indent=1).encode())

@@ -39,7 +39,7 @@ def read_used(path: Path, previous_id: str) -> float:
         if doc["previous"] != previous_id:
             return 0.0
         used = doc["used"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # (nested 10^5 deep)
         return math.inf
     ok = isinstance(used, int | float) and not isinstance(used, bool) and used >= 0
     return float(used) if ok else math.inf

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from p2ptrain import checkpoint
 from p2ptrain.checkpoint.manifest import MAX_TERM
-from p2ptrain.fsutil import describe_os_error, write_small
+from p2ptrain.fsutil import describe_os_error, read_regular, write_small
 
 RETRY_FIRST, RETRY_MAX = 5.0, 300.0  # s: back-off of the retry after a failed write
 
@@ -197,8 +197,8 @@ def read_term(path: Path) -> int:
     """The term kept by `record_term` (0 when absent, unreadable, or outside the protocol's
     0..2^52: a damaged file of 2^60 made the node lead in a term no peer accepts, write it
     into a checkpoint and stop with an internal error at every start)."""
-    try:
-        term = int(path.read_text().strip() or 0)
+    try:  # (a FIFO there would hang the start; NotRegularFile and TooLarge are ValueErrors)
+        term = int(read_regular(path, 64).decode().strip() or 0)
     except (OSError, ValueError, UnicodeError):
         return 0
     return term if 0 <= term <= MAX_TERM else 0
