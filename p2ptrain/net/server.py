@@ -28,20 +28,16 @@ peer), as a concatenation of frames with a response MAC; a message the protocol 
 never reveal the key or weights; `net.open_routes = false` puts them (not health) behind the MAC.
 
 Connections are counted and timed out by gate.py (caps per IP and in total, header and idle
-timeouts). The byte budget bounds the memory held by request bodies that are not verified
-yet: a body waits (reading stops, TCP pushes back on its sender) while the lane's budget is
-spent, except the body holding most bytes, which may always go on -- so the lane's memory is
-at most its budget plus one body, and bodies that trickle in hold almost nothing.
+timeouts). A byte budget per lane bounds the memory held by request bodies that are not
+verified yet (bodies.py: each address's share of it, how long a body may wait for room or
+fall silent).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import count as counter
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,6 +47,7 @@ from prometheus_client import CollectorRegistry
 from p2ptrain.errors import UserError
 from p2ptrain.net import baseserve, ckptserve, dashboard, metrics
 from p2ptrain.net.auth import AuthError, Pending, ServerAuth, VersionError
+from p2ptrain.net.bodies import BodyBudget, BodyError, read_body
 from p2ptrain.net.gate import GATE, ConnLimits, GatedSite, quiet_logs, track_requests
 from p2ptrain.net.hello import add_hello_route
 from p2ptrain.net.neterrors import listen_error
@@ -120,85 +117,6 @@ METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")
 BUDGETS: web.AppKey[dict[bool, BodyBudget]] = web.AppKey("budgets")
 
 
-class BodyBudget:
-    """Bytes of request bodies held in memory by one lane (see the module docstring)."""
-
-    def __init__(self, cap: int):
-        self.cap, self.used = cap, 0
-        self.held: dict[int, int] = {}  # body number -> bytes it holds
-        self._numbers = counter()
-        self._cond = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def body(self) -> AsyncIterator[Callable[[int], Any]]:
-        """A body's account: `await take(n)` before holding n more bytes; all released at
-        the end of the block."""
-        number = next(self._numbers)
-        self.held[number] = 0
-
-        def favoured() -> bool:  # the body holding most (the oldest of equals) may exceed
-            most = max(self.held.values())
-            return self.held[number] == most and number == min(
-                k for k, v in self.held.items() if v == most)
-
-        async def take(n: int) -> None:
-            if self.used + n > self.cap and not favoured():
-                async with self._cond:
-                    await self._cond.wait_for(
-                        lambda: self.used + n <= self.cap or favoured())
-            self.used += n
-            self.held[number] += n
-
-        try:
-            yield take
-        finally:
-            self.used -= self.held.pop(number)
-            async with self._cond:
-                self._cond.notify_all()
-
-
-class BodyError(Exception):
-    """A request body was refused while it was read: (HTTP status, reason)."""
-
-    def __init__(self, status: int, reason: str):
-        super().__init__(reason)
-        self.status, self.reason = status, reason
-
-
-async def read_body(request: web.Request, limit: int, pending: Pending, take,
-                    limits: Limits) -> bytearray:
-    """The whole body, MACed into `pending` as it arrives; BodyError when it exceeds `limit`
-    or falls behind `limits.min_body_rate` (time spent waiting for the budget is ours, not
-    the sender's, and is not counted)."""
-    loop = asyncio.get_running_loop()
-    declared = request.content_length
-    buf = bytearray()  # grown as bytes arrive (a pre-sized one is zero-filled: all resident)
-    got, waited, start = 0, 0.0, loop.time()
-    while True:
-        left = start + limits.body_grace + waited + got / limits.min_body_rate - loop.time()
-        try:
-            if left <= 0:
-                raise TimeoutError
-            async with asyncio.timeout(left):
-                piece = await request.content.readany()
-        except TimeoutError:
-            raise BodyError(408, f"request body too slow: {got} bytes in "
-                                 f"{loop.time() - start:.1f}s") from None
-        if not piece:
-            break
-        if got + len(piece) > limit:
-            raise BodyError(413, f"body exceeds {limit} bytes on {request.path}")
-        before = loop.time()
-        await take(len(piece))
-        waited += loop.time() - before
-        pending.update(piece)
-        buf += piece
-        got += len(piece)
-    if declared is not None and got != declared:
-        raise BodyError(400, f"body ended after {got} of {declared} bytes")
-    return buf
-
-
 def _error(status: int, reason: str, headers: dict[str, str] | None = None,
            close: bool = False) -> web.Response:
     response = web.json_response({"error": reason}, status=status, headers=headers)
@@ -235,7 +153,7 @@ async def _message(request: web.Request) -> web.StreamResponse:
     if isinstance(pending, web.Response):
         return pending
     control = path not in BULK_PATHS
-    async with request.app[BUDGETS][control].body() as take:
+    async with request.app[BUDGETS][control].body(request.remote or "") as take:
         try:
             body = await read_body(request, limit, pending, take, srv.limits)
         except BodyError as exc:
@@ -361,8 +279,9 @@ def build_app(served: Served, shelf: Shelf, bases: dict[str, Path] | None = None
     app = web.Application(client_max_size=MAX_REPLY, middlewares=[track_requests])
     app[SERVED] = served
     app[METRICS] = metrics.registry_for(served.host.status)
-    app[BUDGETS] = {False: BodyBudget(served.limits.body_memory),
-                    True: BodyBudget(CONTROL_BODY_MEMORY)}
+    wait = served.limits.body_grace  # a body waits at most this for room, then 503
+    app[BUDGETS] = {False: BodyBudget(served.limits.body_memory, wait),
+                    True: BodyBudget(CONTROL_BODY_MEMORY, wait)}
     app[GATE] = []
     for route in ROUTES:
         app.router.add_post(route, _message)
