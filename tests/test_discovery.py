@@ -334,3 +334,41 @@ def test_netlab_cleans_up_even_when_the_body_raises() -> None:
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert lab.tag not in namespaces and lab.tag not in links
+
+
+def test_made_up_adverts_leave_bounded_state(monkeypatch) -> None:
+    """Anyone on the LAN can advertise the swarm's id (it is public): 100,000 made-up
+    adverts kept 100,000 debounce entries and as many failure records in the outbox, and
+    each failed address wrote a warning line (600 adverts: 591 lines)."""
+    from collections import Counter
+
+    from p2ptrain.net import discovery as disc
+    from p2ptrain.net.outbox import MAX_FAILING, Outbox, WarnBudget
+
+    found = []
+    d = Discovery(swarm_id="ab", node_id="0" * 32, port=7100, addresses=["127.0.0.1"],
+                  device_class="laptop", on_found=lambda addr, node: found.append(addr))
+    clock = [1000.0]
+    monkeypatch.setattr(disc.time, "monotonic", lambda: clock[0])
+    for i in range(3 * disc.MAX_REPORTED):
+        clock[0] += disc.DEBOUNCE_SECONDS / disc.MAX_REPORTED  # a flood within a debounce
+        d._report(f"10.0.{i // 250}.{i % 250}:7100", f"{i:032x}")
+    assert len(found) == 3 * disc.MAX_REPORTED  # each reported once
+    assert len(d._last_reported) <= disc.MAX_REPORTED + 1
+
+    said = []
+
+    class Reporter:
+        def warn(self, text, **fields):
+            said.append(text)
+
+    box = Outbox.__new__(Outbox)  # the failure bookkeeping alone
+    box.failures, box.stats, box.last_error = Counter(), Counter(), {}
+    box.reporter, box.warned = Reporter(), WarnBudget(20, 60.0, lambda: clock[0])
+    for i in range(2 * MAX_FAILING + 7):
+        box._failed(f"10.1.{i // 250}.{i % 250}:7100", "/v1/members", OSError("refused"))
+    assert len(box.last_error) <= MAX_FAILING and len(box.failures) <= MAX_FAILING
+    assert len(said) == 20
+    clock[0] += 61.0  # a minute later: the next line says how many were held back
+    box._failed("10.2.0.1:7100", "/v1/members", OSError("refused"))
+    assert said[-1].endswith(f"(and {2 * MAX_FAILING + 7 - 20} failed requests not shown)")

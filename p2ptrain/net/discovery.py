@@ -30,6 +30,7 @@ PROTOCOL_VERSION = "1"  # TXT `v`; peers advertising anything else are ignored
 RESOLVE_TIMEOUT_MS = 3000  # how long one mDNS service resolution may take
 SEED_RESOLVE_TIMEOUT = 5.0  # seconds for one seed's DNS lookup
 DEBOUNCE_SECONDS = 5.0  # the same (address, node) is reported at most once per this interval
+MAX_REPORTED = 4096  # (address, node) pairs remembered past their debounce, at most
 
 _NODE_ID = re.compile(r"[0-9a-f]{32}")
 _SWARM_ID = re.compile(r"[0-9a-f]{1,64}")
@@ -298,6 +299,9 @@ class Discovery:
         if last is not None and now - last < DEBOUNCE_SECONDS:
             return
         self._last_reported[(addr, node)] = now
+        if len(self._last_reported) > MAX_REPORTED:  # adverts are anyone's: keep only the
+            self._last_reported = {k: t for k, t in self._last_reported.items()  # debounced
+                                   if now - t < DEBOUNCE_SECONDS}
         try:
             self._on_found(addr, node)
         except Exception:

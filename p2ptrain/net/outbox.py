@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -43,10 +44,34 @@ if TYPE_CHECKING:
 BULK_ROUTES = ("/v1/gossip", "/v1/average", "/v1/track")
 DROPPABLE = "/v1/gossip"  # gradient pushes: fire and forget, dropped when the peer lags
 MAX_PUSH_PEERS = 4096  # addresses whose last push's fate is remembered (`_admit`)
+MAX_FAILING = 4096  # addresses whose failures are remembered (made-up adverts add them)
+WARNINGS_PER_MINUTE = 20  # send_failed lines (600 made-up adverts made 591 of them)
 CONTROL_TIMEOUT = 10.0  # s for a control message round trip
 BULK_TIMEOUT = 300.0  # s for a gradient push (slow uplinks)
 CONNECT_TIMEOUT = 5.0  # s to open a connection
 
+
+
+class WarnBudget:
+    """At most `n` warnings per `window` seconds; the next one says how many were not."""
+
+    def __init__(self, n: int, window: float, clock: Callable[[], float] = time.monotonic):
+        self.n, self.window, self.clock = n, window, clock
+        self.start, self.said, self.held = clock(), 0, 0
+
+    def allow(self) -> bool:
+        now = self.clock()
+        if now - self.start >= self.window:
+            self.start, self.said = now, 0
+        if self.said < self.n:
+            self.said += 1
+            return True
+        self.held += 1
+        return False
+
+    def suppressed(self) -> str:
+        held, self.held = self.held, 0
+        return f" (and {held} failed requests not shown)" if held else ""
 
 class Refused(Exception):
     """A peer answered 401 without a MAC: it does not accept ours."""
@@ -99,6 +124,7 @@ class Outbox:
         self.sent = SentByKind()  # bodies that went over HTTP, by message kind
         self.tasks: set[asyncio.Task] = set()
         self.last_error: dict[str, str] = {}
+        self.warned = WarnBudget(WARNINGS_PER_MINUTE, 60.0)  # send_failed lines, at most
         self.receivers = Receivers(lambda: self.control_session, lambda: self.signer)
         self.refusals: RefusalWatch | None = None  # see `open`
         self.seeds: set[str] = set()  # seeds' addresses: their refusals judge our key
@@ -224,8 +250,14 @@ class Outbox:
         reason = str(exc) or type(exc).__name__
         if self.last_error.get(addr) != reason:  # say each new kind of failure once
             self.last_error[addr] = reason
-            self.reporter.warn(f"request to {addr}{route} failed: {reason}", event="send_failed",
-                               addr=addr, route=route, reason=reason)
+            if len(self.last_error) > MAX_FAILING:  # addresses come from anyone's adverts:
+                for old in list(self.last_error)[: MAX_FAILING // 2]:  # the oldest go
+                    self.last_error.pop(old)
+                    self.failures.pop(old, None)
+            if self.warned.allow():
+                self.reporter.warn(f"request to {addr}{route} failed: {reason}"
+                                   + self.warned.suppressed(), event="send_failed",
+                                   addr=addr, route=route, reason=reason)
 
     async def drain(self, timeout: float) -> None:
         """Wait up to `timeout` s for the messages in flight (e.g. leave announcements)."""
