@@ -244,6 +244,29 @@ async def track_requests(request: web.Request, handler):
             conn.request_done()
 
 
+class OpenRate:
+    """Requests to the open read-only routes, per address: at most `rate` a second, in
+    bursts of `burst` (a dashboard polls every few seconds; a flood of /v1/history took a
+    node from 512 to 102 steps a second). This machine's own (loopback) requests are not
+    counted. Bounded: the longest-idle addresses are forgotten."""
+
+    def __init__(self, rate: float = 50.0, burst: float = 100.0, most: int = 4096,
+                 clock=time.monotonic):
+        self.rate, self.burst, self.most, self.clock = rate, burst, most, clock
+        self.tokens: dict[str, tuple[float, float]] = {}  # addr -> (tokens, when)
+
+    def allow(self, addr: str) -> bool:
+        if addr.startswith("127.") or addr == "::1":
+            return True
+        now = self.clock()
+        tokens, then = self.tokens.pop(addr, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        if len(self.tokens) >= self.most:  # oldest first (re-inserted on use)
+            del self.tokens[next(iter(self.tokens))]
+        self.tokens[addr] = (tokens - 1.0 if tokens >= 1.0 else tokens, now)
+        return tokens >= 1.0
+
+
 class GatedSite(BaseSite):
     """A TCP site whose connections pass a `Gate`."""
 

@@ -48,7 +48,14 @@ from p2ptrain.errors import UserError
 from p2ptrain.net import baseserve, ckptserve, dashboard, metrics
 from p2ptrain.net.auth import AuthError, Pending, ServerAuth, VersionError
 from p2ptrain.net.bodies import BodyBudget, BodyError, read_body
-from p2ptrain.net.gate import GATE, ConnLimits, GatedSite, quiet_logs, track_requests
+from p2ptrain.net.gate import (
+    GATE,
+    ConnLimits,
+    GatedSite,
+    OpenRate,
+    quiet_logs,
+    track_requests,
+)
 from p2ptrain.net.hello import add_hello_route
 from p2ptrain.net.neterrors import listen_error
 from p2ptrain.net.pacing import TokenBucket, paced
@@ -115,6 +122,7 @@ class Served:
 SERVED: web.AppKey[Served] = web.AppKey("served")
 METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")
 BUDGETS: web.AppKey[dict[bool, BodyBudget]] = web.AppKey("budgets")
+OPEN_RATE: web.AppKey[OpenRate] = web.AppKey("open_rate")
 
 
 def _error(status: int, reason: str, headers: dict[str, str] | None = None,
@@ -225,6 +233,9 @@ def _open(handler):
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
         srv = request.app[SERVED]
+        if not request.app[OPEN_RATE].allow(request.remote or ""):
+            srv.host.count("refused_rate")
+            return _error(429, "too many requests to the open routes", {"Retry-After": "1"})
         if not srv.open_routes:
             try:
                 srv.auth.verify(request.method, request.path, request.headers, b"")
@@ -283,6 +294,7 @@ def build_app(served: Served, shelf: Shelf, bases: dict[str, Path] | None = None
     app[BUDGETS] = {False: BodyBudget(served.limits.body_memory, wait),
                     True: BodyBudget(CONTROL_BODY_MEMORY, wait)}
     app[GATE] = []
+    app[OPEN_RATE] = OpenRate()
     for route in ROUTES:
         app.router.add_post(route, _message)
     app.router.add_get("/v1/config", _config)
