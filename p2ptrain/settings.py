@@ -149,12 +149,14 @@ class NetConfig:
     idle_timeout: float = option(60.0, "seconds an idle keep-alive connection is kept",
                                  minimum=0.1)
     body_grace: float = option(10.0, "seconds of slack a request body gets before it must "
-                               "keep min_body_rate_kib", minimum=0.1)
+                               "keep min_body_rate_kib; also the longest it may fall "
+                               "silent, or wait for memory (then 503)", minimum=0.1)
     min_body_rate_kib: float = option(8.0, "KiB/s a request body must average after its "
                                       "grace (slower: 408)", minimum=0.01)
     body_memory_mib: float = option(64.0, "MiB of gradient and averaging request bodies held "
-                                    "in memory at once, verified or not (one body may exceed "
-                                    "it)", minimum=1)
+                                    "in memory at once, verified or not (a body read alone "
+                                    "may exceed it; past half full, one address holds at "
+                                    "most half)", minimum=1)
     refused_seconds: float = option(60.0, "exit 2 (wrong swarm key) when every peer has "
                                     "refused this node (HTTP 401) this long (seeds, and "
                                     "members that once answered it); 0: never", minimum=0)
