@@ -131,6 +131,9 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
                       f"{4 * model.space.n_params / 2**20:,.0f} MiB more", event="ema")
 
     ckroot = state_dir / "checkpoints"
+    if ckroot.exists() and not ckroot.is_dir():  # found at the first write, the run's end
+        raise UserError(f"{ckroot} is a file, not the node's checkpoint directory: move it "
+                        f"away (or use another --state-dir)")
     for stale in checkpoint.stale_temporaries(ckroot):
         reporter.warn(f"removing partial checkpoint {stale.name} left by an interrupted write")
         shutil.rmtree(stale, ignore_errors=True)

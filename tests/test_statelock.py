@@ -15,3 +15,16 @@ def test_a_file_given_as_the_state_directory_is_named_as_such(tmp_path):
         lock_state_dir(tmp_path / "afile")  # was mkdir's "File exists"
     with pytest.raises(UserError, match="sub: Not a directory$"):
         lock_state_dir(tmp_path / "afile" / "sub")
+
+
+def test_a_checkpoints_file_in_the_state_directory_is_refused_at_start(tmp_path):
+    """It was found at the first write: a whole run trained, then 'the final checkpoint was
+    not written ... the steps since the start are lost'."""
+    from tests.helpers import cli_env, run_cli
+
+    (tmp_path / "st").mkdir()
+    (tmp_path / "st" / "checkpoints").write_text("x")
+    r = run_cli("join", "--alone", "--state-dir", str(tmp_path / "st"), "--steps", "3",
+                env=cli_env())  # (startup.prepare: the networked node's start too)
+    assert r.returncode == 2 and "checkpoints is a file, not the node's checkpoint " \
+        "directory" in r.stderr, r.stderr[-800:]
