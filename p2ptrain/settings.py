@@ -150,7 +150,8 @@ class NetConfig:
                                  minimum=0.1)
     body_grace: float = option(10.0, "seconds of slack a request body gets before it must "
                                "keep min_body_rate_kib; also the longest it may fall "
-                               "silent, or wait for memory (then 503)", minimum=0.1)
+                               "silent (three of them: wait for memory, then 503)",
+                               minimum=0.1)
     min_body_rate_kib: float = option(8.0, "KiB/s a request body must average after its "
                                       "grace (slower: 408)", minimum=0.01)
     body_memory_mib: float = option(64.0, "MiB of gradient and averaging request bodies held "

@@ -7,7 +7,8 @@ as its bytes arrive; it waits (reading stops, TCP pushes back on its sender) whi
 - the lane is more than `SHARE` full and its sender's address already holds `SHARE` of it
   (machines behind one NAT share an address: below that, nobody is held to a share),
 unless it is the only body the lane reads, which may take what it needs (a body larger than
-the budget can still come in). A body that waits more than `wait` seconds for room is
+the budget can still come in). A body that waits more than `wait` seconds (the server gives
+three body graces) for room is
 refused (503) and releases what it held: no body waits for good behind another, and two that
 need each other's room cannot hold each other for ever.
 

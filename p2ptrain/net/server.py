@@ -290,7 +290,7 @@ def build_app(served: Served, shelf: Shelf, bases: dict[str, Path] | None = None
     app = web.Application(client_max_size=MAX_REPLY, middlewares=[track_requests])
     app[SERVED] = served
     app[METRICS] = metrics.registry_for(served.host.status)
-    wait = served.limits.body_grace  # a body waits at most this for room, then 503
+    wait = 3 * served.limits.body_grace  # a body waits at most this for room, then 503
     app[BUDGETS] = {False: BodyBudget(served.limits.body_memory, wait),
                     True: BodyBudget(CONTROL_BODY_MEMORY, wait)}
     app[GATE] = []
