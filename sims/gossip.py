@@ -377,14 +377,15 @@ class GossipSim:
             # a machine that is down takes no connection: no body goes, whatever the message
             # (the same message, charged as a connection attempt, carries the refusal's
             # timing; an averaging request's sender hears `Unanswered` at delivery)
-            self._transmit(i, dst, envelope, CONNECT_BYTES, False, self.machines[i].generation)
+            self._transmit(i, dst, envelope, CONNECT_BYTES, False, self.machines[i].generation,
+                           refused=True)
             return
         size = self.world.bytes.size(envelope)
         self.recorder.sent(type(envelope.body).__name__, size)
         self._transmit(i, dst, envelope, size, send.reply, self.machines[i].generation)
 
     def _transmit(self, i: int, dst: int, envelope, size: int, reply: bool,
-                  generation: int) -> None:
+                  generation: int, refused: bool = False) -> None:
         """Hand one message to the network. A message lost on the way (a lossy link) is
         sent again after TCP's retransmission timeout, as long as its sender lives: the
         runtime's messages travel over TCP, which loses none -- dropping them here left an
@@ -395,15 +396,17 @@ class GossipSim:
             if self.machines[i].node is not None and self.machines[i].generation == generation:
                 self.retransmits += 1
                 self.engine.after(RETRANSMIT_SECONDS, self._transmit, i, dst, envelope, size,
-                                  reply, generation)
+                                  reply, generation, refused)
 
-        self.network.send(i, dst, size, lambda: self.deliver(dst, i, envelope),
+        self.network.send(i, dst, size, lambda: self.deliver(dst, i, envelope, refused),
                           reply=reply, droppable=type(body) is GradientPush,
                           bulk=isinstance(body, GOSSIP_BODIES), on_lost=lost)
 
-    def deliver(self, dst: int, src: int, envelope) -> None:
-        if self.machines[dst].node is None:  # a request to a process that is gone fails at
-            body = envelope.body  # once (connection refused): the runtime says Unanswered
+    def deliver(self, dst: int, src: int, envelope, refused: bool = False) -> None:
+        """`refused`: sent while `dst` was down -- a connection attempt, never a message,
+        even if the machine is back by the time it arrives."""
+        if refused or self.machines[dst].node is None:  # a request to a process that is
+            body = envelope.body  # gone fails at once (connection refused): Unanswered
             if type(body) is AverageRequest and self.machines[src].node is not None:
                 self.handle(src, Unanswered(self.world.members[dst].node_id, body.seed,
                                             body.part))

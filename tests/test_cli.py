@@ -281,6 +281,11 @@ def test_token_files_with_a_byte_order_mark_or_not_text(tmp_path):
         assert r.returncode == 2 and "token (flag --token) is empty" in r.stderr, r.stderr
     r = run_cli("checkpoint", "fetch", *peer, env=cli_env(P2PTRAIN_TOKEN=""))
     assert r.returncode == 2 and "token (env P2PTRAIN_TOKEN) is empty" in r.stderr, r.stderr
+    # but an empty variable beside a configured key (compose's `${P2PTRAIN_TOKEN}` unset) is
+    # no token given: the config's key is used
+    r = run_cli("checkpoint", "fetch", "--config", str(tmp_path / "s" / "swarm.toml"), *peer,
+                env=cli_env(P2PTRAIN_TOKEN=""))
+    assert "nothing listens" in r.stderr, r.stderr
 
 
 def test_a_reader_that_leaves_early_is_no_traceback():

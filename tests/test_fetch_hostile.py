@@ -256,3 +256,49 @@ def test_a_source_without_a_checkpoint_is_named_once(leader, tmp_path):
     text = str(err.value)
     addr = text.removeprefix("checkpoint fetch from ").split(": ", 1)[0]
     assert text.count(addr) == 1 and "no checkpoint to fetch" in text, text
+
+
+def test_a_holder_slow_to_say_what_it_holds_is_not_connected_twice(leader, tmp_path,
+                                                                    monkeypatch):
+    """Other holders are now asked in the background; one slower than SOURCE_POLL was not yet
+    among the sources, so `more_sources` naming it connected a second Source: another hello
+    and three more requests in flight to the same peer (a review's test)."""
+    monkeypatch.setattr(fetchmod, "SOURCE_POLL", 0.2)
+    held = leader.shelf.latest()
+    hellos = []
+
+    async def slow(request, auth):
+        rid = auth.verify(request.method, request.path, request.headers, b"")
+        await asyncio.sleep(2.0)
+        body = json.dumps(describe(held)).encode()
+        return web.Response(body=body, headers=auth.sign("GET", request.path, rid, 200, body))
+
+    member = _member_app(tmp_path, "slow", slow)
+
+    @web.middleware
+    async def count(request, handler):
+        if request.path == "/v1/hello":
+            hellos.append(request.path)
+        return await handler(request)
+
+    member.middlewares.append(count)
+    lead = make_app(leader)
+
+    @web.middleware
+    async def slow_chunks(request, handler):
+        if request.path.endswith("safetensors"):
+            await asyncio.sleep(1.0)
+        return await handler(request)
+
+    lead.middlewares.append(slow_chunks)
+
+    async def run():
+        async with contextlib_servers([lead, member]) as bases, \
+                aiohttp.ClientSession() as session:
+            addrs = [b.removeprefix("http://") for b in bases]
+            return await fetch_checkpoint(session, addrs, _signer(), tmp_path / "out",
+                                          expected_leader=leader.ident.node_id,
+                                          more_sources=lambda digest: addrs, timeout=10)
+
+    got = asyncio.run(run())
+    assert got.manifest.id == leader.ckid and len(hellos) == 1, hellos

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from p2ptrain.proto import Unanswered
+from p2ptrain.proto.messages import Notify
 from sims.coordinator import CoordinatorSim
 from sims.fleet import Training, World
 from sims.gossip import CONNECT_BYTES, GossipSim
@@ -224,3 +225,36 @@ def test_a_machine_that_is_down_is_sent_connection_attempts_not_bodies(ci):
     assert len(after) >= 10  # the others went on talking to it until they saw it dead
     assert set(after) == {CONNECT_BYTES}, sorted(set(after))[:5]
     assert unanswered  # partners that opened an exchange with it heard it end
+
+
+def test_a_message_sent_while_a_machine_was_down_is_not_delivered_when_it_is_back(ci):
+    """A connection attempt is no message: a machine back before the attempt's bytes arrive
+    got the message for 100 bytes (a review of the change above)."""
+    scenario = ci.replace(duration=6.0)
+    world = _world(scenario)
+    sim = GossipSim(world, scenario.methods[0])
+    victim = next(m.index for m in world.members if m.device.name == "server")
+    sender = next(m.index for m in world.members if m.index != victim)
+    got = []
+    handle = sim.handle
+
+    def recording_handle(i, event):
+        if i == victim and getattr(event, "message", None) is not None:
+            got.append(event.message)
+        return handle(i, event)
+
+    sim.handle = recording_handle
+    marked = []
+
+    def probe():
+        sim.crash(victim)
+        node = sim.machines[sender].node
+        send = node.control.wrap(world.members[victim].node_id, world.members[victim].addr,
+                                 Notify())
+        marked.append(send.envelope)
+        sim.send(sender, send)
+        sim.come_back(victim)  # back at once, before the attempt arrives
+
+    world.engine.at(3.0, probe)
+    sim.run()
+    assert marked and not any(e is marked[0] for e in got)

@@ -75,7 +75,8 @@ def swarm_of(cfg: Config, config_file: str | None) -> Swarm:
 def _current_swarm(cfg: Config, config_file: str | None) -> Swarm:
     token = cfg["swarm.token"]
     given = cfg.sources.get("swarm.token", "default")
-    if not token.strip() and given.startswith(("flag", "env")):  # `--token "$UNSET"`: not the
+    if (not token.strip() and given.startswith(("flag", "env"))  # `--token "$UNSET"`
+            and not cfg["swarm.token_file"] and not cfg["swarm.key_file"]):  # and nothing else:
         raise SwarmError(f"the swarm token ({given}) is empty: give the line `p2ptrain init` "
                          f"printed (without one, `join` uses the public demo swarm)")  # demo
     if not token and cfg["swarm.token_file"]:

@@ -6,16 +6,17 @@ as its bytes arrive; it waits (reading stops, TCP pushes back on its sender) whi
 - the lane's budget is spent, or
 - the lane is more than `SHARE` full and its sender's address already holds `SHARE` of it
   (machines behind one NAT share an address: below that, nobody is held to a share),
-unless it is the only body the lane reads, which may take what it needs (a body larger than
-the budget can still come in). A body that waits more than `wait` seconds (the server gives
-three body graces) for room is
-refused (503) and releases what it held: no body waits for good behind another, and two that
-need each other's room cannot hold each other for ever.
+unless it holds the most bytes of the lane's bodies (the oldest of equals), which always goes
+on: a body larger than the budget still comes in, and bodies that need each other's room do
+not hold each other. A body that waits more than `wait` seconds (the server gives three body
+graces) for room is refused (503) and releases what it held.
 
 A body must arrive at `min_body_rate` after `body_grace` seconds, and may never fall silent
-for longer than `body_grace`: bytes sent ahead of that rate buy no more than `body_grace` of
-silence later. (They bought it all: a stranger sending 72 MiB fast and then nothing held the
-bulk lane's budget -- every other node's averaging and pushes -- for ~2.5 hours.)
+for longer than `body_grace` while we wait for it: bytes sent ahead of that rate buy no more
+than `body_grace` of silence later. (They bought it all: a stranger sending 72 MiB fast and
+then nothing held the bulk lane's budget -- every other node's averaging and pushes -- for
+~2.5 hours. One that keeps the minimum rate after its burst still holds it while the rest of
+its body trickles in: at most the body's limit over that rate.)
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ class BodyBudget:
         self.held[number] = 0
         share = int(self.cap * SHARE)
 
+        def favoured() -> bool:  # the body holding most (the oldest of equals) goes on:
+            most = max(self.held.values())  # bodies that need each other's room cannot
+            return self.held[number] == most and number == min(  # hold each other
+                k for k, v in self.held.items() if v == most)
+
         def room(n: int) -> bool:  # (an address's share counts once the lane is half full)
-            return len(self.held) == 1 or (self.used + n <= self.cap and (
+            return favoured() or (self.used + n <= self.cap and (
                 self.by_addr[addr] + n <= share or self.used + n <= share))
 
         async def take(n: int) -> None:
@@ -100,10 +106,8 @@ async def read_body(request: web.Request, limit: int, pending: Pending, take,
     due = start + limits.body_grace  # the next bytes must arrive by then
     while True:
         left = due - loop.time()
-        try:
-            if left <= 0:
-                raise TimeoutError
-            async with asyncio.timeout(left):
+        try:  # (bytes already buffered are taken even past the deadline: a busy event loop
+            async with asyncio.timeout(max(left, 0.0)):  # of ours is not the sender's delay)
                 piece = await request.content.readany()
         except TimeoutError:
             raise BodyError(408, f"request body too slow: {got} bytes in "
@@ -114,12 +118,12 @@ async def read_body(request: web.Request, limit: int, pending: Pending, take,
             raise BodyError(413, f"body exceeds {limit} bytes on {request.path}")
         before = loop.time()
         await take(len(piece))
-        after = loop.time()
         pending.update(piece)
         buf += piece
         got += len(piece)
-        # the rate's schedule moves on by the piece (and by our own wait), but never further
-        # than one grace past now: no credit for silence later
+        after = loop.time()
+        # the rate's schedule moves on by the piece (and by our own time: the wait for room,
+        # the MAC), but never further than one grace past now: no credit for silence later
         due = min(due + (after - before) + len(piece) / limits.min_body_rate,
                   after + limits.body_grace)
     if declared is not None and got != declared:

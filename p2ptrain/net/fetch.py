@@ -574,11 +574,15 @@ class _Run:
         sources connected but not yet asked what they hold (`_join`)."""
         loop = asyncio.get_running_loop()
         polled = loop.time()
-        pending: set[asyncio.Task] = set()
-        for src in joining:
+        pending: dict[asyncio.Task, str] = {}  # sources joining -> their addresses
+
+        def start(src: Source) -> None:
             task = asyncio.ensure_future(self._join(src))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
+            pending[task] = src.addr
+            task.add_done_callback(lambda t: pending.pop(t, None))
+
+        for src in joining:
+            start(src)
         try:
             while self.todo:
                 if self.error is not None:
@@ -590,12 +594,10 @@ class _Run:
                                      f"needed ({self.stories() or 'partial holders only'})")
                 if more is not None and loop.time() - polled >= SOURCE_POLL:
                     polled = loop.time()
-                    known = {s.addr for s in self.sources}
+                    known = {s.addr for s in self.sources} | set(pending.values())
                     for addr in list(dict.fromkeys(more(self.manifest.digest)))[:MAX_SOURCES]:
-                        if addr not in known and len(self.sources) < MAX_SOURCES:
-                            task = asyncio.ensure_future(self._join(connect(addr)))
-                            pending.add(task)
-                            task.add_done_callback(pending.discard)
+                        if addr not in known and len(self.sources) + len(pending) < MAX_SOURCES:
+                            start(connect(addr))
                 await self.wait(SOURCE_POLL if more is not None else REFRESH)
             if self.error is not None:
                 raise self.error
