@@ -26,6 +26,7 @@ from p2ptrain.net.fetch import FetchError, Source, _connect, _get
 from p2ptrain.net.hello import add_hello_route
 from p2ptrain.net.pacing import TokenBucket
 from tests.swarmlab import SwarmLab, free_ports, wait_for
+from tests.test_ckptfetch import serving
 
 KEY = derive_mac_key(bytes(range(32)))
 SHAPE = RWKVConfig(n_layer=2, n_embd=64, ctx_len=16)
@@ -229,20 +230,16 @@ def test_a_trickled_manifest_is_given_up_and_the_next_server_asked(base, tmp_pat
         app = web.Application()
         add_hello_route(app, me)
         app.router.add_get("/v1/base/{id}", trickle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            await honest.start()
-            async with aiohttp.ClientSession() as session:
-                return await asyncio.wait_for(fetch_base(
-                    session, [f"127.0.0.1:{runner.addresses[0][1]}", honest.addr],
-                    Signer(KEY, secrets.token_hex(16), 1), base.id, tmp_path / "bases",
-                    timeout=2.0), 60)
-        finally:
-            await runner.cleanup()
-            await honest.runner.cleanup()
+        async with serving(app) as slow:
+            try:
+                await honest.start()
+                async with aiohttp.ClientSession() as session:
+                    return await asyncio.wait_for(fetch_base(
+                        session, [slow.removeprefix("http://"), honest.addr],
+                        Signer(KEY, secrets.token_hex(16), 1), base.id, tmp_path / "bases",
+                        timeout=2.0), 60)
+            finally:
+                await honest.runner.cleanup()
 
     verify_base(asyncio.run(run()))
     assert honest.served == base.size

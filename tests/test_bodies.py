@@ -14,6 +14,7 @@ from aiohttp import web
 
 from p2ptrain.net.bodies import BodyBudget, BodyError, read_body
 from p2ptrain.net.server import Limits
+from tests.test_ckptfetch import serving
 
 MiB = 1 << 20
 
@@ -88,15 +89,8 @@ def test_a_busy_event_loop_of_ours_is_not_the_senders_silence():
     async def run():
         app = web.Application()
         app.router.add_post("/", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            async with aiohttp.ClientSession() as session, session.post(
-                    f"http://127.0.0.1:{runner.addresses[0][1]}/", data=bytes(MiB)) as r:
-                return r.status, await r.text()
-        finally:
-            await runner.cleanup()
+        async with serving(app) as base, aiohttp.ClientSession() as session, \
+                session.post(f"{base}/", data=bytes(MiB)) as r:
+            return r.status, await r.text()
 
     assert asyncio.run(run()) == (200, str(MiB))

@@ -65,29 +65,17 @@ def _member_app(tmp_path, name: str, route) -> web.Application:
 
 async def _fetch_from(apps, tmp_path, leader_id, **kw):
     """(what the fetch got, the sources' addresses in the order of `apps`)."""
-    async with contextlib_servers(apps) as bases, aiohttp.ClientSession() as session:
+    async with servers(apps) as bases, aiohttp.ClientSession() as session:
         addrs = [b.removeprefix("http://") for b in bases]
         return await fetch_checkpoint(session, addrs, _signer(), tmp_path / "out",
                                       expected_leader=leader_id, **kw), addrs
 
 
-class contextlib_servers:  # noqa: N801 (used as a context manager)
-    """Serve several apps at once."""
-
-    def __init__(self, apps):
-        self.apps, self.stack = apps, []
-
-    async def __aenter__(self):
-        bases = []
-        for app in self.apps:
-            cm = serving(app)
-            bases.append(await cm.__aenter__())
-            self.stack.append(cm)
-        return bases
-
-    async def __aexit__(self, *exc):
-        for cm in reversed(self.stack):
-            await cm.__aexit__(*exc)
+@contextlib.asynccontextmanager
+async def servers(apps):
+    """Serve several apps at once (`serving` each): their base URLs."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(serving(app)) for app in apps]
 
 
 def test_a_non_ascii_mac_is_refused_as_a_bad_mac_not_a_crash(leader, tmp_path):
@@ -293,7 +281,7 @@ def test_a_holder_slow_to_say_what_it_holds_is_not_connected_twice(leader, tmp_p
     lead.middlewares.append(slow_chunks)
 
     async def run():
-        async with contextlib_servers([lead, member]) as bases, \
+        async with servers([lead, member]) as bases, \
                 aiohttp.ClientSession() as session:
             addrs = [b.removeprefix("http://") for b in bases]
             return await fetch_checkpoint(session, addrs, _signer(), tmp_path / "out",

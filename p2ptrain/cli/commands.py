@@ -140,9 +140,9 @@ def cmd_sample(args) -> int:
     rng = np.random.default_rng(args.seed)
     if checkpoint.TOKENIZER_META_KEY in meta:  # a tokenized model: its tokenizer decodes
         tokenizer = tokenizer_of(meta[checkpoint.TOKENIZER_META_KEY], path)
-        if vocab_of(tokenizer) > model.vocab_size:  # its ids would index past the embedding
-            raise UserError(f"{path.name}: the tokenizer it carries has {vocab_of(tokenizer):,} "
-                            f"ids; the model's vocabulary is {model.vocab_size:,}")
+        if (ids := vocab_of(tokenizer)) > model.vocab_size:  # they would index past the
+            raise UserError(f"{path.name}: the tokenizer it carries has {ids:,} ids; the "
+                            f"model's vocabulary is {model.vocab_size:,}")  # embedding
         prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
         text = TokenText(tokenizer)
         out.write(text.feed(prompt).encode("utf-8"))
