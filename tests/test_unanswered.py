@@ -183,3 +183,54 @@ def test_the_outbox_reports_a_request_too_large_to_send(monkeypatch, tmp_path):
     monkeypatch.setattr(wire_module, "MAX_BLOB", 16)  # every averaging request too large
     with ServerThread(Host("reply"), tmp_path) as addr:
         assert asyncio.run(post_one(addr, 9, 2)) == [("unanswered", B, 9, 2, False)]
+
+
+# -- what the outbox reads of a response ----------------------------------------------------------
+
+
+class BigReplies(Host):
+    """Answers every message, authentically, with one 2 MiB averaging reply: what an
+    averaging request may get back, not a ping (a key holder's way to make a node hold
+    72 MiB a connection before the MAC is checked, 12 connections to one peer)."""
+
+    def deliver(self, envelope, remote, sender, size):
+        (chunk,) = encode_vector(make_codec("fp16"), np.zeros(1 << 20, np.float32),
+                                 sender_id=bytes.fromhex(B), swarm_samples=1, weight=1.0,
+                                 seed=1, chunk_elems=1 << 20)
+        reply = Envelope(Header(PROTOCOL_VERSION, B, 1, "127.0.0.1:9", "0" * 16, 0, 1, 2, None,
+                                ()), AverageReply(1, 1, {}, (bytes(chunk),), 0, 1))
+        return 200, [wire.encode(reply)], ""
+
+
+async def post_both(addr: str, first: Envelope, second: Envelope
+                    ) -> list[tuple[list[int], dict[str, str]]]:
+    """Post two messages, one after the other, through one real outbox: for each, the sizes
+    of the frames handed on from its response and the outbox's failures by address."""
+    seen: list[int] = []
+    outbox = Outbox.open(Signer(KEY, A, 1), TokenBucket(0),
+                         lambda a, fs: seen.extend(len(f) for f in fs),
+                         Reporter("json", out=io.StringIO(), err=io.StringIO()), NodeConfig())
+    results = []
+    try:
+        for envelope in (first, second):
+            ended = sum(outbox.stats.values())
+            outbox.send(Send(B, addr, envelope))
+            await until("the post's end", lambda n=ended: sum(outbox.stats.values()) > n, 30)
+            results.append((list(seen), dict(outbox.last_error)))
+            seen.clear()
+            outbox.last_error.clear()
+    finally:
+        await outbox.close()
+    return results
+
+
+def test_a_response_is_read_only_as_far_as_its_route_can_answer(tmp_path):
+    from p2ptrain.proto.messages import Ping
+
+    ping = Envelope(Header(PROTOCOL_VERSION, A, 1, "127.0.0.1:9", "0" * 16, 0, 3, 2, None, ()),
+                    Ping(1, B))
+    with ServerThread(BigReplies("reply"), tmp_path) as addr:
+        (to_ping, ping_errors), (to_request, request_errors) = asyncio.run(
+            post_both(addr, ping, request(7, 0)))
+    assert to_ping == [] and "response body too large" in ping_errors[addr]
+    assert request_errors == {} and len(to_request) == 1 and to_request[0] > 2 << 20

@@ -33,7 +33,7 @@ from p2ptrain.net.auth import MAC, AuthError, Signer
 from p2ptrain.net.hello import HelloError, HelloRefused, Receivers
 from p2ptrain.net.pacing import TokenBucket, paced
 from p2ptrain.net.refusals import RefusalWatch
-from p2ptrain.net.routes import MAX_REPLY, read_limited, route_of
+from p2ptrain.net.routes import REPLY_LIMIT, read_limited, route_of
 from p2ptrain.net.sent import SentByKind
 from p2ptrain.proto import AverageRequest, RemoteProtocolError, Send, wire
 
@@ -190,7 +190,7 @@ class Outbox:
                 async with session.post(f"http://{addr}{route}", data=body_iter,
                                         headers=headers, timeout=timeout) as resp:
                     self.sent.add(data)  # answered: the body went over HTTP
-                    body = await read_limited(resp.content, MAX_REPLY)
+                    body = await read_limited(resp.content, REPLY_LIMIT[route])
                     if body is None:
                         raise RemoteProtocolError("response body too large")
                     if resp.status == 401 and attempt == 0:
@@ -206,7 +206,7 @@ class Outbox:
                     self.signer.check_response("POST", route, rid, resp.status, resp.headers,
                                                body)
                     if resp.status not in (200, 409):
-                        raise RemoteProtocolError(f"HTTP {resp.status}: {body[:200]!r}")
+                        raise RemoteProtocolError(f"HTTP {resp.status}: {bytes(body[:200])!r}")
                     frames = [bytes(f) for f in wire.split(body)]
                 break
             self.stats["sent"] += 1

@@ -28,6 +28,19 @@ ROUTES: dict[str, tuple[tuple[type, ...], int]] = {
 }
 _ROUTE_OF = {cls: route for route, (classes, _) in ROUTES.items() for cls in classes}
 MAX_REPLY = wire.MAX_JSON + wire.MAX_BLOB + 64 * 1024  # a response body, at most
+# The largest response the outbox reads to a request on each route: what the replies that
+# route carries can weigh (acks, claims and refusals on control and track; a member list; an
+# averaging part; a gradient's chunks for an outbound-only member). A key holder answering a
+# ping with 72 MiB held that much per connection in flight to it -- ~1.1 GiB over the two
+# pools' 12 -- before the MAC was checked; now ~0.35 GiB at most, most of it the bulk pool's
+# four averaging and gradient bodies, which may honestly be that large.
+REPLY_LIMIT: dict[str, int] = {
+    "/v1/control": 1 * MiB,
+    "/v1/members": wire.MAX_JSON + 64 * 1024,
+    "/v1/gossip": MAX_REPLY,
+    "/v1/average": MAX_REPLY,
+    "/v1/track": 1 * MiB,
+}
 
 
 def route_of(body: m.Body) -> str:
@@ -36,12 +49,12 @@ def route_of(body: m.Body) -> str:
 
 
 
-async def read_limited(content, limit: int) -> bytes | None:
-    """The whole body, or None once it exceeds `limit` bytes (reading stops there)."""
-    parts, total = [], 0
+async def read_limited(content, limit: int) -> bytearray | None:
+    """The whole body, or None once it exceeds `limit` bytes (reading stops there). Held
+    once: the pieces are appended as they come, not kept and joined (twice the body)."""
+    body = bytearray()
     async for piece in content.iter_chunked(MiB):
-        total += len(piece)
-        if total > limit:
+        if len(body) + len(piece) > limit:
             return None
-        parts.append(piece)
-    return b"".join(parts)
+        body += piece
+    return body
