@@ -6,7 +6,8 @@ bound is met (steps, duration, the run's total samples) or a signal arrives, eva
 held-out split and checkpoints on intervals (a write that fails, e.g. on a full disk, is one
 warning: training goes on and the next interval retries), and on SIGINT/SIGTERM stops after
 the step in flight, writes its resume state if that fits in the grace period, and returns 0.
-A second signal exits at once. A run that diverges (a non-finite gradient or held-out loss)
+A second signal exits at once. A run whose data cannot be read any more (a shard damaged or
+replaced under it) writes its final checkpoint and returns 2. A run that diverges (a non-finite gradient or held-out loss)
 stops at once, writes nothing more and returns 1. So does a run whose final checkpoint cannot
 be written (a full disk at the end): what it trained since its last checkpoint is lost, and a
 script that goes on to use the checkpoint must not take the older one for it. The networked
@@ -20,6 +21,7 @@ import signal
 import time
 
 from p2ptrain import checkpoint
+from p2ptrain.data.tokens import TokenDataError
 from p2ptrain.fsutil import describe_os_error
 from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.learner import DIVERGED_HINT
@@ -79,7 +81,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
         reporter.evaluated(learner.step, loss, average, now - start)
         return loss
 
-    reason, diverged, lost = "stopped", "", False
+    reason, diverged, damaged, lost = "stopped", "", "", False
     try:
         if plan.eval_every > 0 and learner.step == 0:
             eval_loss = learner.evaluate()
@@ -102,6 +104,9 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
             except FloatingPointError as exc:  # the alone loop applies what it computes
                 diverged = f"training diverged ({exc}); {DIVERGED_HINT}"
                 break
+            except TokenDataError as exc:  # a shard damaged or replaced under the run: the
+                damaged = f"the data cannot be read: {exc}"  # batch was never applied
+                break
             tokens += result.tokens
             now = time.monotonic()
             if plan.eval_due(now):
@@ -118,6 +123,10 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
                 save()
         if diverged:  # nothing more to save: the checkpoints before it are the ones to keep
             reason = diverged
+        elif damaged:  # the weights are whole: keep what was trained, then say what is wrong
+            reason = damaged
+            if learner.step > plan.first_step:
+                lost = not save(final=True)
         elif stop["signal"]:
             # Stopping on a signal: write the resume state if it fits in the grace period.
             if plan.final_save_fits(time.monotonic(), stop["at"], learner.step):
@@ -137,4 +146,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
         reporter.error("the final checkpoint was not written (see the warning above): the "
                        f"steps since {newest[0].name if newest else 'the start'} are lost",
                        event="final_checkpoint_lost", step=learner.step)
+    if damaged:
+        reporter.error(damaged, event="data_error", step=learner.step)
+        return 2
     return 1 if diverged or lost else 0

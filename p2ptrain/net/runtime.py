@@ -8,10 +8,9 @@ LeaderChanged -> the led term persisted; FetchCheckpoint -> a fetch (joinflow.py
 CheckpointFetched; AdoptCheckpoint -> the weights loaded; Finished -> stop. Around it: the
 HTTP server (server.py), mDNS and seeds (discovery.py), the progress line (progress.py), the
 alone loop's schedule (housekeeping.py). On SIGINT/SIGTERM: finish the step in flight, resign
-and leave, write the resume state if it fits in the grace period, say the mDNS goodbye, exit
-0; a second signal exits at once. A failed step or a diverged run (housekeeping.py: nothing
-more is written) exits 1. Helpers get narrow callables only.
-"""
+and leave, write the resume state if it fits, say the mDNS goodbye, exit 0; a second signal
+exits at once. A failed step exits 1 (2: the data is damaged), its resume state written; a
+diverged run 1, nothing more written (housekeeping.py). Helpers get narrow callables only."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ from p2ptrain.net.rotation import keyring_of
 from p2ptrain.net.saving import Saver, read_term, record_term
 from p2ptrain.net.server import Limits, Served, bases_of, build_app, listen
 from p2ptrain.net.shelf import Shelf, shelved
-from p2ptrain.net.steps import Stepper
+from p2ptrain.net.steps import Stepper, step_failure
 from p2ptrain.net.watch import Watch
 from p2ptrain.proto import LeaderChanged, Node, Send
 from p2ptrain.report import Reporter
@@ -207,9 +206,10 @@ class Runtime:
         self.reporter.info(f"training starts at step {self.learner.step}: {why}",
                            event="training_starts", reason=why)
 
-    def _step_failed(self, exc: BaseException) -> None:
-        self.reporter.warn(f"training step failed: {exc!r}", event="step_failed")
-        self.request_stop(f"training step failed: {exc}", code=1)
+    def _step_failed(self, exc: BaseException) -> None:  # the final checkpoint is written:
+        reason, detail, code = step_failure(exc)  # a failed step never reached the weights
+        self.reporter.warn(f"{reason}: {detail}", event="step_failed")
+        self.request_stop(reason, code=code)
 
     def _step_done(self, step: int, loss: float, eval_loss: float | None) -> None:
         skipped = self.node.skipped

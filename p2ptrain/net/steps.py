@@ -14,12 +14,23 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
+from p2ptrain.data.tokens import TokenDataError
+
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # s
 
 if TYPE_CHECKING:
     from p2ptrain.housekeeping import Housekeeping
     from p2ptrain.learner import Learner
 
+
+
+def step_failure(exc: BaseException) -> tuple[str, str, int]:
+    """Why a node whose step raised `exc` stops: (reason, detail, exit code). A shard damaged
+    or replaced under the run is the data's fault (2); anything else a bug or out of memory
+    (1). Either way the batch never reached the weights."""
+    if isinstance(exc, TokenDataError):
+        return "the data cannot be read", str(exc), 2
+    return "training step failed", repr(exc), 1
 
 class Stepper:
     """Runs one training step at a time in `executor`; `done(step, loss, eval_loss)` gets
