@@ -7,11 +7,11 @@ held-out split and checkpoints on intervals (a write that fails, e.g. on a full 
 warning: training goes on and the next interval retries), and on SIGINT/SIGTERM stops after
 the step in flight, writes its resume state if that fits in the grace period, and returns 0.
 A second signal exits at once. A run whose data cannot be read any more (a shard damaged or
-replaced under it) writes its final checkpoint and returns 2. A run that diverges (a non-finite gradient or held-out loss)
-stops at once, writes nothing more and returns 1. So does a run whose final checkpoint cannot
-be written (a full disk at the end): what it trained since its last checkpoint is lost, and a
-script that goes on to use the checkpoint must not take the older one for it. The networked
-node is p2ptrain.net.runtime.
+replaced under it) writes its final checkpoint and returns 2. A run that diverges (a
+non-finite gradient or held-out loss) stops at once, writes nothing more and returns 1. So
+does a run whose final checkpoint cannot be written (a full disk at the end): what it trained
+since its last checkpoint is lost, and a script that goes on to use the checkpoint must not
+take the older one for it. The networked node is p2ptrain.net.runtime.
 """
 
 from __future__ import annotations
