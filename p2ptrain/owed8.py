@@ -25,6 +25,8 @@ GROUP = 256  # coordinates per scale: 1 + 4/256 = 1.016 bytes a coordinate
 SPAN = 1 << 16  # coordinates converted at once (a multiple of GROUP): the scratch's size
 _LEVELS = np.float32(127.0)
 _U16 = np.float32(2.0**-16)
+_TINY = np.float32(2.0**-100)  # a group whose largest magnitude is below this is scaled up
+_UP = np.float32(2.0**100)  # by this before its codes are taken
 
 
 class Owed8:
@@ -60,6 +62,10 @@ class Owed8:
         rows = values.reshape(b - a, GROUP)
         top = np.abs(rows).max(axis=1)
         scale = top / _LEVELS
+        tiny = (top < _TINY) & (top > 0)  # 127 / top would overflow to inf (NaN codes): such
+        if tiny.any():  # a group is scaled up by a power of two first, its ratios exact
+            rows[tiny] *= _UP
+            top = np.where(tiny, top * _UP, top)
         rows *= (_LEVELS / np.where(top > 0, top, np.float32(np.inf)))[:, None]  # all-zero: 0
         u = self._draws[: rows.size]
         np.copyto(u, uniform_u16(self.stream, rows.size), casting="unsafe")

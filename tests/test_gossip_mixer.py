@@ -19,7 +19,14 @@ from p2ptrain.codecs import (
     make_codec,
 )
 from p2ptrain.proto.gossip.config import GossipConfig
-from p2ptrain.proto.gossip.mixer import Arrival, GradientMixer, PlainEncoder, gradient_encoder
+from p2ptrain.proto.gossip.mixer import (
+    CHUNK_OVERHEAD,
+    MAX_PEER_CHUNK,
+    Arrival,
+    GradientMixer,
+    PlainEncoder,
+    gradient_encoder,
+)
 from p2ptrain.proto.gossip.peers import PeerTable
 
 N = 1000
@@ -246,6 +253,7 @@ def test_queue_bound_evicts_the_busiest_senders_oldest_and_counts_it():
 
 def test_queue_byte_bound():
     size = len(msgs(grad(1), 1, 0, 8.0)[0]) - HEADER_SIZE - 8  # payload bytes of one vector
+    size += CHUNK_OVERHEAD  # and what holding its one chunk costs besides
     mixer = GradientMixer(GossipConfig(queue_bytes=2 * size, **LOOSE), N)
     for i in (1, 2, 3):
         send(mixer, msgs(grad(i), i, 10 * i, 8.0), 30)
@@ -327,3 +335,30 @@ def test_a_claimed_weight_counts_only_as_far_as_the_senders_observed_speed():
         report = mixer.mix(grad(0), 8.0, 110)
         assert report.total_weight == 8.0 + cap
         assert report.peers[0].weight == cap
+
+
+def test_tiny_chunks_are_charged_what_holding_them_costs():
+    """A peer's gradient may come in chunks of one element: 3 payload bytes each, ~930 bytes
+    held (message, codec, table entry). Only payloads were counted against queue_bytes, so
+    256 MiB admitted ~89 million such chunks (~80 GB); with outer steps an incomplete vector
+    never went stale. Each held chunk now counts CHUNK_OVERHEAD besides."""
+    mixer = GradientMixer(GossipConfig(queue_bytes=100 * CHUNK_OVERHEAD, **LOOSE), N)
+    for i, m in enumerate(msgs(grad(1), 1, 5, 8.0, chunk=1)):
+        mixer.receive(m, 10)
+        assert mixer.pending_bytes <= 100 * CHUNK_OVERHEAD
+        if i == 300:
+            break
+    assert mixer.drops["full"] >= 1  # the vector can never fit: it is dropped, again and again
+
+
+def test_a_chunk_longer_than_any_node_sends_is_refused_before_decoding():
+    """The norm of a dense chunk is taken over a decoded copy the mixer keeps: a peer choosing
+    a 64M-element sign chunk (8 MiB on the wire) made it allocate and keep 244 MiB."""
+    n = MAX_PEER_CHUNK + 8
+    (chunk,) = (bytes(m) for m in encode_vector(
+        make_codec("sign"), np.ones(n, np.float32), sender_id=sid(1), swarm_samples=1,
+        weight=1.0, seed=1, chunk_elems=n))
+    mixer = GradientMixer(GossipConfig(codec="sign", **LOOSE), n)
+    with pytest.raises(CodecError, match="at most"):
+        mixer.receive(chunk, 10)
+    assert mixer._scratch.nbytes == 0 and mixer.drops["malformed"] == 1

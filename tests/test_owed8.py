@@ -72,3 +72,23 @@ def test_it_takes_a_byte_a_coordinate_and_resets():
     assert o.any()
     o.reset()
     assert not o.any() and not o.values().any()
+
+
+def test_a_group_of_tiny_values_keeps_them_without_warnings():
+    """127 / max overflowed to inf for a group whose largest magnitude is below ~3.7e-37: its
+    zeros became NaN codes (cast to int8) and its small values jumped to +-max, with three
+    RuntimeWarnings on stderr. (Honest progress reaches it on a group of parameters that has
+    seen hundreds of zero gradients.)"""
+    import warnings
+
+    acc = Owed8(512, 3)
+    src = np.zeros(512, np.float32)
+    src[:3] = [1e-38, -5e-39, 0.0]
+    src[256:259] = [1.0, 0.5, -0.25]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc.write(0, 512, src.copy())
+        got = acc.values()
+    assert got[2] == 0.0 and np.all(got[3:256] == 0.0)
+    assert abs(got[0] - 1e-38) <= 1e-38 / 127 * 1.01 and abs(got[1] + 5e-39) <= 1e-38 / 127 * 1.01
+    assert np.allclose(got[256:259], src[256:259], atol=1.0 / 127)

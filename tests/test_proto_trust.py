@@ -513,7 +513,7 @@ def test_per_member_figures_stay_bounded_as_made_up_members_come_and_go(monkeypa
         totals.append((status["bytes_in"], status["bytes_out"]))
     assert serial == 60 and len(node.control.membership.table.members) <= 10 + 6
     for figure in (node.bytes_in, node.bytes_out, node.trainer.peer_progress,
-                   node.trainer.guard.refused, node.trainer.mixer.used):
+                   node.trainer.guard.refused, node.trainer.mixer.used, node.trainer.served):
         assert len(figure) <= 20 + 6 + 4, len(figure)  # the bound, a batch, the real members
     assert node.bytes_gone[0] > 0  # forgotten members' traffic: still in the totals,
     assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in pairwise(totals)), totals  # growing

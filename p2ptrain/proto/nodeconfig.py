@@ -44,7 +44,9 @@ class NodeConfig:
     bulk_in_flight: int = option(2, "bodies in flight to one peer past which a new gradient "
                                  "push to it is dropped whole (back-pressure, not a queue)",
                                  minimum=1)
-    chunk_elems: int = option(DEFAULT_CHUNK, "elements per codec chunk message", minimum=1024)
+    chunk_elems: int = option(DEFAULT_CHUNK, "elements per codec chunk message (peers "
+                              "refuse gradient chunks longer than 16,777,216)", minimum=1024,
+                              maximum=1 << 24)
     offender_refusals: int = option(5, "refusals of one member's values within "
                                     "node.offender_window seconds that make it ignored; 0: "
                                     "never", minimum=0)

@@ -19,8 +19,9 @@ FIGURES_BOUND = 2 * MAX_MEMBERS  # ids in a per-member figure before forgotten o
 
 def _figures(node: Any) -> tuple[dict, ...]:
     trainer = node.trainer
+    tracking = () if trainer.tracker is None else (trainer.tracker.guard.refused,)
     return (node.bytes_in, node.bytes_out, trainer.peer_progress, trainer.guard.refused,
-            trainer.mixer.used)
+            trainer.mixer.used, trainer.served, *tracking)
 
 
 def forget_gone(node: Any) -> None:

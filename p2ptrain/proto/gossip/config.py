@@ -198,7 +198,8 @@ class GossipConfig:
                                "by about half a push", minimum=1)
     queue_vectors: int = option(16, "peer gradients waiting for the next mix, at most",
                                 minimum=1)
-    queue_bytes: int = option(256 << 20, "wire bytes of the peer gradients waiting, at most",
+    queue_bytes: int = option(256 << 20, "bytes of the peer gradients waiting, at most: "
+                              "their payloads and 1 KiB a chunk besides",
                               minimum=1)
     # keyword parameters of the codec beyond `fraction` (e.g. {"levels": 16} for qsgd); not an
     # option of a node's TOML, a simulator scenario may set it

@@ -58,6 +58,13 @@ from p2ptrain.proto.gossip.norms import NormWindow
 RATE_WINDOW = 64  # step boundaries the swarm's sample rate is measured over
 STEP_FLOOR = 2  # the staleness bound never drops below this many of the node's own steps
 WEIGHT_SPREAD = 4.0  # a peer's weight counts up to this times the own (see `weight_cap`)
+# What a held chunk costs besides its payload: its message, codec and table entry (~930 bytes
+# measured). Counted against queue_bytes, so a peer's 1-element chunks cannot hold 89 million
+# messages (~80 GB) under a bound meant for payloads.
+CHUNK_OVERHEAD = 1024
+# The longest chunk a peer's gradient may come in, elements (node.chunk_elems' maximum): its
+# norm is computed over a decoded copy of that size, kept (64 MiB at most).
+MAX_PEER_CHUNK = 1 << 24
 
 
 class SwarmRate:
@@ -276,7 +283,7 @@ class GradientMixer:
         message, sq = admitted if admitted is not None else self.admit(msg)
         key = (message.sender_id, message.swarm_samples)
         entry = self._pending.get(key)
-        size = int(message.payload.nbytes)
+        size = int(message.payload.nbytes) + CHUNK_OVERHEAD
         if entry is None:
             entry = _Pending(message, swarm_samples, self._seq)
             self._seq += 1
@@ -303,6 +310,9 @@ class GradientMixer:
     def _check_header(self, m: Message, entry: _Pending | None) -> None:
         if m.vector_length != self.n:
             raise CodecError(f"gradient has {m.vector_length} elements, the model {self.n}")
+        if m.chunk_length > MAX_PEER_CHUNK:
+            raise CodecError(f"gradient chunk of {m.chunk_length} elements: at most "
+                             f"{MAX_PEER_CHUNK} are accepted")
         if not 0.0 < m.weight <= self.config.max_sample_weight:
             raise CodecError(f"sample weight {m.weight} outside (0, "
                              f"{self.config.max_sample_weight:g}]")
