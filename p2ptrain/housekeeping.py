@@ -32,6 +32,7 @@ class Housekeeping:
         self.last_eval = start
         self.last_save = start  # when the last checkpoint write started
         self.save_seconds = 0.0  # how long the last checkpoint write took
+        self.saves = 0  # checkpoint writes this run has finished
         self.skip_run = 0  # steps discarded in a row
 
     def eval_due(self, now: float) -> bool:
@@ -50,6 +51,7 @@ class Housekeeping:
 
     def save_finished(self, seconds: float) -> None:
         self.save_seconds = seconds
+        self.saves += 1
 
     def stop_reason(self, now: float, step: int) -> str | None:
         """Why the run's own bounds end it now (None: go on)."""
@@ -77,4 +79,15 @@ class Housekeeping:
             why = f"held-out loss {eval_loss}"
         else:
             return ""
-        return f"training diverged ({why}, at step {step}); {DIVERGED_HINT}"
+        return f"training diverged ({why}, at step {step}); {DIVERGED_HINT}{self.resumed_hint()}"
+
+    def resumed_hint(self) -> str:
+        """What a diverged run adds when it resumed from a checkpoint and wrote none since:
+        the weights it resumed may be the diverging ones (finite, yet every gradient NaN),
+        which no lower rate mends, and every restart would resume them again."""
+        if self.first_step == 0 or self.saves:
+            return ""
+        return (f"; this run resumed at step {self.first_step} and wrote no checkpoint since: "
+                f"if it diverges there at a lower rate too, that checkpoint holds the "
+                f"diverging weights -- move it out of the checkpoints directory to resume "
+                f"from the one before")

@@ -35,6 +35,7 @@ COUNT_MAX = 2**53  # a count, step or position a checkpoint's resume data may ho
 
 DIVERGED_HINT = ("lower the learning rate (--lr) or lengthen the warm-up; the checkpoints "
                  "written before it are kept")
+BETA_MAX = 0.999999  # Adam's decays: 1 divides by zero in the bias correction
 EVAL_BATCH = 32  # held-out windows per forward pass, at most (never more than a micro-batch)
 AVERAGE_CHUNK = 1 << 20  # coordinates the average of the weights is updated by at a time
 LIVE_WEIGHTS = "weights.trained"  # state tensor: the weights, when the model is their average
@@ -50,13 +51,15 @@ class TrainConfig:
                         minimum=0, maximum=1 << 24)
     accum: int = option(0, "micro-batches per step; 0: chosen from memory", minimum=0)
     lr: float = option(4e-3, "peak learning rate", flag="--lr", minimum=0)
-    min_lr_ratio: float = option(0.1, "cosine floor as a fraction of the peak", minimum=0)
+    min_lr_ratio: float = option(0.1, "cosine floor as a fraction of the peak", minimum=0,
+                                 maximum=1)
     warmup_samples: int = option(1600, "samples of linear warm-up", minimum=0)
     total_samples: int = option(200_000, "swarm samples of the whole run: the schedule's "
                                 "length; the run ends there", minimum=1)
     weight_decay: float = option(0.01, "decoupled weight decay on matrices", minimum=0)
-    beta1: float = option(0.9, "Adam first-moment decay", minimum=0)
-    beta2: float = option(0.99, "Adam second-moment decay", minimum=0)
+    beta1: float = option(0.9, "Adam first-moment decay, below 1", minimum=0, maximum=BETA_MAX)
+    beta2: float = option(0.99, "Adam second-moment decay, below 1", minimum=0,
+                          maximum=BETA_MAX)
     grad_clip: float = option(1.0, "global gradient-norm clip; 0: off", minimum=0)
     seed: int = option(0, "seed of the initial weights (the same on every node) and of the "
                        "data order", flag="--seed", minimum=0)

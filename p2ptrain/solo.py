@@ -52,10 +52,15 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
     start = time.monotonic()
     plan = Housekeeping(settings, start, learner.step)
     last_progress, saves, eval_loss, saved_any = start, 0, None, False
+    saved_step, saved_path = -1, None  # the newest checkpoint this run wrote
     tokens, window_start = 0, start
 
     def save(final: bool = False) -> bool:
-        nonlocal saves, saved_any
+        nonlocal saves, saved_any, saved_step, saved_path
+        if final and saved_step == learner.step:  # the periodic one of this step: not twice
+            reporter.info(f"checkpoint {saved_path.name} is the final one", event="checkpoint",
+                          path=str(saved_path), step=learner.step, final=True)
+            return True
         saves += 1
         t0 = time.monotonic()
         plan.save_started(t0)
@@ -68,7 +73,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
                           event="checkpoint_failed", step=learner.step, final=final)
             return False
         plan.save_finished(time.monotonic() - t0)
-        saved_any = True
+        saved_any, saved_step, saved_path = True, learner.step, path
         reporter.info(f"checkpoint {path.name} written in {plan.save_seconds:.2f}s"
                       + (" (final)" if final else ""), event="checkpoint", path=str(path),
                       step=learner.step, final=final)
@@ -102,7 +107,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
             try:
                 result = learner.train_step()
             except FloatingPointError as exc:  # the alone loop applies what it computes
-                diverged = f"training diverged ({exc}); {DIVERGED_HINT}"
+                diverged = f"training diverged ({exc}); {DIVERGED_HINT}{plan.resumed_hint()}"
                 break
             except TokenDataError as exc:  # a shard damaged or replaced under the run: the
                 damaged = f"the data cannot be read: {exc}"  # batch was never applied

@@ -5,6 +5,8 @@ protocol -- and every later `join` on that state directory resumed it and crashe
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from p2ptrain import checkpoint
@@ -63,3 +65,39 @@ def test_a_duration_shorter_than_the_join_still_ends_the_run(tmp_path):
         assert node.popen.returncode == 0, out[-2000:]
         assert "--duration" in out and "stopping" in out
         assert "finds no peer itself" in out  # mDNS off, no --peer: said at the start
+
+
+def test_a_run_that_diverges_where_it_resumed_names_the_checkpoint_to_move(tmp_path):
+    """A diverging run can write checkpoints of weights that are finite yet give a NaN
+    gradient; a restart at a lower rate resumed them and diverged again, every time, with the
+    hint to lower the rate. Now the second run says which checkpoint to move aside."""
+    state, conf = tmp_path / "s", tmp_path / "c.toml"
+    conf.write_text("[checkpoint]\nevery_steps = 1\n")
+    common = ("join", "--alone", "--steps", "30", "--batch", "4", "--config", str(conf),
+              "--state-dir", str(state))
+    first = run_cli(*common, "--lr", "1e6")
+    assert first.returncode == 1 and "training diverged" in first.stderr + first.stdout
+    resumed = newest_step(state)
+    assert resumed > 0, first.stdout + first.stderr  # a step of 1e6, written, then NaN
+    again = run_cli(*common, "--lr", "1e-3")
+    out = again.stdout + again.stderr
+    assert again.returncode == 1 and "training diverged" in out, out
+    assert f"resumed at step {resumed}" in out and "move it out of the checkpoints" in out, out
+
+
+def test_an_alone_run_does_not_write_its_last_step_twice(tmp_path):
+    """--steps a multiple of checkpoint.every_steps wrote the last step's checkpoint, then the
+    same again as the final one (at 1B, ~12 GB of writes for nothing, and room for a second
+    copy: a full disk then said steps were lost when none were)."""
+    conf = tmp_path / "c.toml"
+    conf.write_text("[checkpoint]\nevery_steps = 5\n")
+    r = run_cli("join", "--alone", "--steps", "10", "--batch", "4", "--config", str(conf),
+                "--state-dir", str(tmp_path / "s"), "--log-format", "json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    written = [e["step"] for e in events if e.get("event") == "checkpoint"]
+    final = [e for e in events if e.get("event") == "checkpoint" and e.get("final")]
+    assert written == [5, 10, 10] and len(final) == 1 and final[0]["step"] == 10, written
+    assert "the final one" in final[0]["message"]
+    assert [c.name[-4:] for c in checkpoint.list_checkpoints(tmp_path / "s" / "checkpoints")
+            ] == ["0010", "0005"]

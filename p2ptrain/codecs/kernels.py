@@ -75,7 +75,9 @@ def all_finite(a: np.ndarray) -> bool:
     with np.errstate(over="ignore", invalid="ignore"):
         if np.isfinite(np.add.reduce(a)):
             return True
-    return bool(np.isfinite(a).all())
+    flat = a.reshape(-1)  # a piece at a time: no bool copy of the whole
+    return all(bool(np.isfinite(flat[i : i + (1 << 20)]).all())
+               for i in range(0, flat.shape[0], 1 << 20))
 
 
 def finite_norm(a: np.ndarray) -> bool:

@@ -39,6 +39,7 @@ from p2ptrain.checkpoint.safetensors_io import (
     storage_dtype,
     write_safetensors,
 )
+from p2ptrain.codecs.kernels import all_finite
 from p2ptrain.fsutil import fsync_dir
 from p2ptrain.models.frozen import widen
 from p2ptrain.models.rwkv import LN_EPS, RWKV, RWKVConfig
@@ -385,7 +386,7 @@ def export_hf(model: RWKV, flat: np.ndarray, out_dir: str | os.PathLike,
     model.space.check_buffer(flat)
     if flat.dtype != np.float32:
         raise HFFormatError(f"parameters must be float32, got {flat.dtype}")
-    if not np.isfinite(flat).all():
+    if not all_finite(flat):  # np.isfinite(flat) held a bool copy: 1 byte a parameter more
         raise HFFormatError("the parameters hold NaN or infinite values")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
