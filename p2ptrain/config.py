@@ -190,7 +190,8 @@ class Config:
         if name != "rwkv":
             raise ConfigError(f"model.preset {preset!r} is an rwkv shape; model.name is {name}")
         explicit = {k[len(prefix):] for k, source in self.sources.items()
-                    if k.startswith(prefix) and source != "default"}
+                    if k.startswith(prefix) and source != "default"
+                    and not source.startswith(PRESET_SOURCE)}
         return presets.apply(preset, config, explicit)
 
 
@@ -285,7 +286,16 @@ def resolve(config_file: str | None, env: Mapping[str, str], flags: Mapping[str,
     if not values["train.ema"] < 1.0:
         raise ConfigError("train.ema must be below 1 (0.99 averages about the last 100 steps; "
                           "0 is off)")
+    preset = values["model.preset"]
+    if preset and values["model.name"] == "rwkv":  # the shape in the values, where unset: what
+        for field, value in presets.shape(preset).items():  # `config show`, `init` and the
+            key = f"model.rwkv.{field}"  # served swarm options say (they said 4 x 128, which
+            if sources[key] == "default":  # then beat the preset as if set by the user)
+                values[key], sources[key] = value, f"{PRESET_SOURCE} {preset}"
     return Config(values, sources)
+
+
+PRESET_SOURCE = "model.preset"  # a value's source when a preset filled it
 
 
 # Variables that are not options: the config file itself, and switches for tests.

@@ -93,3 +93,31 @@ def test_odd_config_files_get_one_line_each_and_never_hang(tmp_path):
                          (big, "larger than 1 MiB"), (tmp_path, "not a regular file")):
         with pytest.raises(ConfigError, match=reason):
             resolve(str(path), {}, {})
+
+
+def test_a_presets_shape_travels_through_init_show_and_adoption(tmp_path):
+    """The default shape (4 x 128) was written by `init`, shown by `config show` and served
+    to nodes joining with a token -- and, set there, it beat the preset as if a user had set
+    it: every such node trained the 0.92M default instead of the preset's 92.5M."""
+    from p2ptrain.cli.swarmcmds import _swarm_toml
+    from p2ptrain.config import swarm_options
+
+    def shape(cfg):
+        c = cfg.model_config()
+        return c.n_layer, c.n_embd, c.ffn_mult
+
+    first = resolve(None, {"P2PTRAIN_PRESET": "rwkv-169m"}, {})
+    assert shape(first) == (12, 768, 4) and first["model.rwkv.n_layer"] == 12
+    adopter = resolve(None, {}, {}, adopted=swarm_options(first), adopted_from="a peer")
+    assert shape(adopter) == (12, 768, 4)
+    shown = tmp_path / "shown.toml"
+    shown.write_text(to_toml(first))
+    assert shape(resolve(str(shown), {}, {})) == (12, 768, 4)
+    written = tmp_path / "swarm.toml"
+    written.write_text(_swarm_toml(first, "s"))
+    assert shape(resolve(str(written), {}, {})) == (12, 768, 4)
+    edited = written.read_text().replace('preset = "rwkv-169m"', 'preset = "rwkv-430m"')
+    written.write_text(edited)  # a later edit of the preset still changes the shape
+    assert shape(resolve(str(written), {}, {})) == (24, 1024, 4)
+    own = resolve(None, {"P2PTRAIN_PRESET": "rwkv-169m", "P2PTRAIN_MODEL_RWKV_N_LAYER": "2"}, {})
+    assert shape(own) == (2, 768, 4)  # a key set by the user still wins

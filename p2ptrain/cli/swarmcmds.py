@@ -27,6 +27,7 @@ from p2ptrain.cli.peers import throwaway_signer
 from p2ptrain.config import (
     LORA_DEFAULTS,
     OPTIONS,
+    PRESET_SOURCE,
     SWARM_KEY_PREFIXES,
     Config,
     config_file_from,
@@ -196,7 +197,9 @@ def _swarm_toml(cfg: Config, name: str) -> str:
         value = cfg[key]
         text = (("true" if value else "false") if isinstance(value, bool)
                 else json.dumps(value) if isinstance(value, str) else repr(value))
-        if key in LORA_DEFAULTS and cfg.sources[key].startswith("default"):
+        if cfg.sources[key].startswith(PRESET_SOURCE):  # the preset's, as long as it is set
+            lines.append(f"# {field} = {text}  # from {cfg.sources[key]}")
+        elif key in LORA_DEFAULTS and cfg.sources[key].startswith("default"):
             # unset: a comment, so the mode (also a later change) picks the default
             lines.append(f"# {field} = {OPTIONS[key].default!r}  # unset: this in full "
                          f"training, {LORA_DEFAULTS[key]!r} in LoRA mode")

@@ -24,13 +24,17 @@ PRESETS: dict[str, tuple[int, int]] = {
 }
 
 
-def apply(preset: str, config: RWKVConfig, explicit: set[str]) -> RWKVConfig:
-    """`config` with the preset's shape, except the fields in `explicit` (set by the user)."""
+def shape(preset: str) -> dict[str, int]:
+    """The rwkv config fields a preset fixes."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; presets: {', '.join(PRESETS)}")
     n_layer, n_embd = PRESETS[preset]
-    shape = {"n_layer": n_layer, "n_embd": n_embd, "ffn_mult": 4}
-    return replace(config, **{k: v for k, v in shape.items() if k not in explicit})
+    return {"n_layer": n_layer, "n_embd": n_embd, "ffn_mult": 4}
+
+
+def apply(preset: str, config: RWKVConfig, explicit: set[str]) -> RWKVConfig:
+    """`config` with the preset's shape, except the fields in `explicit` (set by the user)."""
+    return replace(config, **{k: v for k, v in shape(preset).items() if k not in explicit})
 
 
 def params(config: RWKVConfig) -> int:
