@@ -372,3 +372,14 @@ def test_made_up_adverts_leave_bounded_state(monkeypatch) -> None:
     clock[0] += 61.0  # a minute later: the next line says how many were held back
     box._failed("10.2.0.1:7100", "/v1/members", OSError("refused"))
     assert said[-1].endswith(f"(and {2 * MAX_FAILING + 7 - 20} failed requests not shown)")
+
+
+def test_a_bad_peer_is_named_as_the_peer_not_the_advertised_address():
+    """`--peer 127.0.0.1:99999` said "--advertise: peer '127.0.0.1:99999': port 99999 ..."."""
+    from p2ptrain.errors import UserError
+    from p2ptrain.net.discovery import advertised_address
+
+    with pytest.raises(UserError, match=r"^--peer: .*99999"):
+        advertised_address("127.0.0.1:7391", "127.0.0.1", 7391, ["127.0.0.1:99999"])
+    with pytest.raises(UserError, match=r"^--advertise: "):
+        advertised_address("127.0.0.1:99999", "127.0.0.1", 7391, ["127.0.0.1:7000"])

@@ -135,3 +135,22 @@ def test_a_grace_that_is_not_a_finite_count_of_seconds_changes_nothing(tmp_path,
     said = capsys.readouterr()
     assert "--grace" in said.err and "note:" not in said.out
     assert {p.name: p.read_bytes() for p in config.parent.iterdir()} == before
+
+
+def test_a_rotation_that_cannot_write_says_so_in_one_line_and_keeps_the_key(tmp_path, capsys):
+    """A file the rotation must write that cannot be (here the previous key's place is under a
+    regular file; a read-only directory for a user) ended in a PermissionError traceback,
+    after the note that the key before was dropped."""
+    swarm = new_swarm("fleet")
+    _, config = write_init_files(swarm, tmp_path / "swarm-fleet", CONFIG)
+    (config.parent / "blocked").write_text("a file, not a directory")
+    text = config.read_text().replace('key_file = "swarm.key"',
+                                      'key_file = "swarm.key"\nprevious_key_file = '
+                                      '"blocked/prev.key"', 1)
+    config.write_text(text)
+    before = (config.parent / "swarm.key").read_bytes()
+    assert main(["key", "rotate", "--config", str(config)]) == 2
+    said = capsys.readouterr()
+    assert "key rotate:" in said.err and "not rotated" in said.err and "Traceback" not in said.err
+    assert "dropped now" not in said.out
+    assert (config.parent / "swarm.key").read_bytes() == before

@@ -22,6 +22,7 @@ import tomllib
 from pathlib import Path
 
 from p2ptrain.errors import UserError
+from p2ptrain.fsutil import describe_os_error
 
 _HEADER = re.compile(r"^\s*\[([^\[\]]*)\]\s*(#.*)?$")
 MAX_GRACE = 365 * 86400.0  # s: a grace longer than a year is a typo
@@ -91,10 +92,9 @@ def cmd_key_rotate(args) -> int:
     if not (math.isfinite(grace) and 0 <= grace <= MAX_GRACE):  # before saying anything
         raise UserError(f"--grace {grace:g}: seconds, a finite number in 0..{MAX_GRACE:g} "
                         f"(a year)")
-    if cfg["swarm.previous_key_file"]:
-        prev_text = cfg["swarm.previous_key_file"]
-        print(f"note: the key before this one ({prev_text}) is dropped now: members that "
-              f"still hold only it are refused at once")
+    dropped = cfg["swarm.previous_key_file"]
+    if dropped:
+        prev_text = dropped
     else:
         prev_text = previous_path(Path(cfg["swarm.key_file"])).as_posix()
     prev_path = Path(prev_text).expanduser()
@@ -111,11 +111,16 @@ def cmd_key_rotate(args) -> int:
             prev_text, float(grace)):
         raise UserError(f"could not name the previous key in {config_path}; nothing changed")
 
-    old = keep_previous(key_path, prev_path, name)
-    atomic_write_bytes(config_path, new_text.encode(),
-                       mode=stat.S_IMODE(os.stat(config_path).st_mode))
-    new = replace_key(key_path, old)
-
+    try:  # the previous key's copy, then the config naming it, then the new key: a failure
+        old = keep_previous(key_path, prev_path, name)  # before the last leaves the key as
+        atomic_write_bytes(config_path, new_text.encode(),  # it was
+                           mode=stat.S_IMODE(os.stat(config_path).st_mode))
+        new = replace_key(key_path, old)
+    except OSError as exc:
+        raise UserError(f"key rotate: {describe_os_error(exc)}; the key is not rotated") from None
+    if dropped:
+        print(f"note: the key before this one ({dropped}) is dropped now: members that "
+              f"still hold only it are refused at once")
     print(f"swarm {name!r}: key rotated, swarm id {old.swarm_id} -> {new.swarm_id}")
     print(f"  {key_path}   the new key (secret, mode 0600)")
     print(f"  {prev_path}   the previous key (secret, mode 0600)")

@@ -391,6 +391,9 @@ def advertised_address(advertise: str, bind: str, port: int, seeds: list[str]
 
     try:
         toward = parse_peer(seeds[0])[0] if seeds else None
+    except ValueError as exc:
+        raise UserError(f"--peer: {exc}") from None
+    try:
         host, adv_port = parse_peer(advertise or guess_address(bind, toward), port)
     except ValueError as exc:
         raise UserError(f"--advertise: {exc}") from None
