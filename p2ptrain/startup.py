@@ -206,7 +206,10 @@ def model_for(settings: Settings, corpus: Corpus, reporter: Reporter | None = No
                         f"{corpus.vocab_size:,}; prepare the data with its tokenizer: p2ptrain "
                         f"data prepare FILES --tokenizer {hf_dir / TOKENIZER_FILE} --out DIR")
     tokenizer = hf_dir / TOKENIZER_FILE
-    if tokenizer.is_file() and sha256_file(tokenizer)[:16] != corpus.tokenizer_id:
+    if (tokenizer.is_file() and sha256_file(tokenizer)[:16] != corpus.tokenizer_id
+            and not (corpus.tokenizer_id == "bytes"  # a byte model we exported, on bytes
+                     and hf.is_byte_tokenizer(tokenizer.read_bytes()[:1 << 20],
+                                              config.vocab_size))):
         raise UserError(f"--init-from {hf_dir}: the data {corpus.name} was prepared with "
                         f"another tokenizer (tokenizer {corpus.tokenizer_id}, the model's "
                         f"{sha256_file(tokenizer)[:16]}); prepare it with --tokenizer "

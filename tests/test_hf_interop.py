@@ -392,3 +392,17 @@ def test_init_from_refuses_data_of_another_tokenizer(hf, tmp_path):
     r = run_cli("join", "--init-from", str(hf_dir), "--state-dir", str(tmp_path / "s2"),
                 "--steps", "1")  # bytes: vocabulary 256, the model's 300
     assert r.returncode == 2 and "vocabulary of 300 tokens" in r.stderr, r.stderr
+
+
+def test_a_byte_model_we_exported_initialises_a_run_on_bytes(tmp_path):
+    """export -> --init-from, the README's round trip, on the built-in byte data: the export's
+    byte tokenizer.json was compared by hash with the data's "bytes" and refused ("prepared
+    with another tokenizer"), where `--base` of the same directory was accepted."""
+    state = tmp_path / "s"
+    r = run_cli("join", "--alone", "--steps", "2", "--batch", "4", "--state-dir", str(state))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("export", "--checkpoint", str(state), "--out", str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("join", "--alone", "--init-from", str(tmp_path / "hf"), "--steps", "1",
+                "--batch", "4", "--state-dir", str(tmp_path / "s2"), "--log-format", "json")
+    assert r.returncode == 0 and '"event": "init_from"' in r.stdout, r.stderr

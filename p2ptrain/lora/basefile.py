@@ -274,11 +274,8 @@ def base_from_hf(hf_dir: Path, out_root: Path, dtype: str = "bf16") -> Base:
     if tok_path.is_file():
         raw = tok_path.read_bytes()
         tok_json, tok_id = raw.decode("utf-8", "replace"), hashlib.sha256(raw).hexdigest()[:16]
-        try:
-            if config.vocab_size == 256 and json.loads(raw) == hf.byte_tokenizer():
-                tok_json = tok_id = None  # a byte model (ours, exported): trains on bytes
-        except (ValueError, RecursionError):
-            pass
+        if hf.is_byte_tokenizer(raw, config.vocab_size):
+            tok_json = tok_id = None  # a byte model (ours, exported): trains on bytes
     return write_base(model, model.space.views(flat), out_root, dtype, tok_json,
                       tok_id or "bytes")
 

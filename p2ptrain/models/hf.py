@@ -325,6 +325,15 @@ def load_hf(hf_dir: str | os.PathLike, wkv_chunk: int = RWKVConfig.wkv_chunk,
 # ---------------------------------------------------------------- export
 
 
+def is_byte_tokenizer(raw: bytes, vocab_size: int) -> bool:
+    """Whether a tokenizer.json's bytes are `byte_tokenizer()`'s (a byte model we exported:
+    it trains on bytes, as the data without a tokenizer does)."""
+    try:
+        return vocab_size == 256 and json.loads(raw) == byte_tokenizer()
+    except (ValueError, RecursionError):
+        return False
+
+
 def byte_tokenizer() -> dict:
     """A `tokenizers` document for byte-level models: token id b is the byte b, no merges
     (bytes are spelled with the usual byte-level alphabet of printable characters)."""
