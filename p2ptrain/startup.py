@@ -138,7 +138,7 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
         reporter.warn(f"removing partial checkpoint {stale.name} left by an interrupted write")
         shutil.rmtree(stale, ignore_errors=True)
     try:
-        found = checkpoint.find_latest(ckroot, learner.fingerprint)
+        found = checkpoint.find_latest(ckroot, learner.fingerprint, learner.model.arch())
     except checkpoint.CheckpointMismatch as exc:
         raise UserError(str(exc)) from None
     for reason in found.skipped:

@@ -84,6 +84,11 @@ def test_another_models_checkpoint_is_an_error(setup):
     checkpoint.save(root, make_snapshot(space, params, 1, fingerprint="other"), ident, keep=3)
     with pytest.raises(checkpoint.CheckpointMismatch, match="another model"):
         checkpoint.find_latest(root, "fp1")
+    arch = checkpoint.read_manifest(checkpoint.list_checkpoints(root)[0]).arch
+    with pytest.raises(checkpoint.CheckpointMismatch, match="another tokenizer"):
+        checkpoint.find_latest(root, "fp1", arch)  # the same shape: the data's ids differ
+    with pytest.raises(checkpoint.CheckpointMismatch, match="another model"):
+        checkpoint.find_latest(root, "fp1", {**arch, "n": -1})
 
 
 def test_loading_refuses_a_shape_mismatch_before_writing(setup):

@@ -206,9 +206,10 @@ class Found:
     skipped: list[str]  # why each newer one was passed over
 
 
-def find_latest(root: Path, fingerprint: str) -> Found:
+def find_latest(root: Path, fingerprint: str, arch: dict | None = None) -> Found:
     """The newest checkpoint under `root` that verifies, passing over those that do not;
-    CheckpointMismatch if it belongs to another model."""
+    CheckpointMismatch if it belongs to another model (`arch`: this one's, to say whether
+    only the tokenizer differs)."""
     skipped = []
     for path in list_checkpoints(root):
         try:
@@ -216,6 +217,11 @@ def find_latest(root: Path, fingerprint: str) -> Found:
         except CheckpointError as exc:
             skipped.append(str(exc))
             continue
+        if manifest.fingerprint != fingerprint and arch is not None and manifest.arch == arch:
+            raise CheckpointMismatch(
+                f"{path} holds a checkpoint of this model's shape trained on another "
+                f"tokenizer's ids (data prepared with another tokenizer.json, or bytes); "
+                f"train on that data, or use another --state-dir")
         if manifest.fingerprint != fingerprint:
             raise CheckpointMismatch(
                 f"{path} holds a checkpoint of another model ({describe_arch(manifest)}); "
