@@ -51,8 +51,15 @@ def main(argv: list[str] | None = None) -> int:
 
         from sims import report
 
-        print(report.seeds_table([json.loads((d / "results.json").read_text())
-                                  for d in args.dirs]), end="")
+        docs = []
+        for d in args.dirs:
+            try:
+                docs.append(json.loads((d / "results.json").read_text()))
+            except (OSError, ValueError) as exc:  # not a run's directory, or a damaged one
+                print(f"error: {d}: no readable results.json ({exc.__class__.__name__}: "
+                      f"{exc}); give directories `python -m sims run` wrote", file=sys.stderr)
+                return 2
+        print(report.seeds_table(docs), end="")
         return 0
 
     if args.command == "list":

@@ -244,8 +244,13 @@ def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     whole, never merged)."""
     if path.resolve() in seen:
         raise ScenarioError(f"{path.name}: base scenarios form a cycle")
-    with path.open("rb") as f:
-        doc = tomllib.load(f)
+    try:
+        with path.open("rb") as f:
+            doc = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"{path}: not valid TOML ({exc})") from None
+    except OSError as exc:
+        raise ScenarioError(f"{path}: {exc.strerror or exc}") from None
     base = doc.pop("base", None)
     if base is None:
         return doc

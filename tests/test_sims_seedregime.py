@@ -40,6 +40,18 @@ def test_base_scenario_is_inherited_and_overridden(tmp_path):
     loop.write_text(f'base = "{loop}"\nname = "loop"\n')
     with pytest.raises(ScenarioError, match="cycle"):
         read(loop)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")  # a traceback from `python -m sims run bad.toml`
+    with pytest.raises(ScenarioError, match="not valid TOML"):
+        read(bad)
+
+
+def test_sims_seeds_of_a_directory_without_results_is_one_line(tmp_path, capsys):
+    from sims.__main__ import main
+
+    assert main(["seeds", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no readable results.json" in err and "Traceback" not in err
 
 
 def test_seed_regime_sizes_fit_and_batches():
