@@ -179,6 +179,21 @@ def test_checkpoint_fetch_without_a_token_says_it_looked_for_the_demo_swarm(tmp_
     assert "give your swarm's token or config" in r.stderr
 
 
+def test_checkpoint_fetch_checks_what_it_can_before_the_network(tmp_path):
+    """--no-mdns and no --peer said "no leader found by mDNS within 4s" at once; an --out that
+    is a file failed with a raw errno, blamed on the leader, after the fetch had started."""
+    assert run_cli("init", "--out", str(tmp_path / "sw"), timeout=60).returncode == 0
+    config = str(tmp_path / "sw" / "swarm.toml")
+    r = run_cli("checkpoint", "fetch", "--config", config, "--no-mdns", "--timeout", "30",
+                "--out", str(tmp_path / "out"), timeout=60)
+    assert r.returncode == 2 and "--no-mdns leaves nothing" in r.stderr, r.stderr
+    (tmp_path / "file").write_text("x")
+    r = run_cli("checkpoint", "fetch", "--config", config, "--peer", "127.0.0.1:9", "--out",
+                str(tmp_path / "file"), "--timeout", "30", timeout=60)
+    assert r.returncode == 2 and "a file is there" in r.stderr, r.stderr
+    assert "127.0.0.1:9" not in r.stderr
+
+
 def test_init_leaves_lora_mode_defaults_unset_so_a_later_mode_gets_its_own(tmp_path):
     """swarm.toml from `init` must not pin full training's ema and fast share: a swarm
     switched to LoRA mode later (flag or file) gets LoRA mode's defaults, and a value the

@@ -101,3 +101,16 @@ def test_an_alone_run_does_not_write_its_last_step_twice(tmp_path):
     assert "the final one" in final[0]["message"]
     assert [c.name[-4:] for c in checkpoint.list_checkpoints(tmp_path / "s" / "checkpoints")
             ] == ["0010", "0005"]
+
+
+def test_a_token_without_peers_or_mdns_says_there_is_nobody_to_ask(tmp_path):
+    """A node given a token but no --peer and mDNS off said "no member of swarm answered
+    within 10s" a millisecond after "fetching the configuration": it had asked nobody."""
+    with SwarmLab(tmp_path / "lab") as lab:
+        (port,) = free_ports(1)
+        node = lab.start("a", port, [], "--duration", "1", config=False,
+                         env=lab.env(P2PTRAIN_NODE_MIN_PEERS="0"))
+        wait_for("the node to stop", lambda: node.popen.poll() is not None, 90)
+        out = node.output()
+        assert node.popen.returncode == 0, out[-2000:]
+        assert "no --peer and mDNS off" in out and "answered within" not in out, out[-2000:]

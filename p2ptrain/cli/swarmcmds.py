@@ -158,15 +158,20 @@ def cmd_join(args, flags: dict) -> int:
     explicit_token = cfg["swarm.token"] or cfg["swarm.token_file"]
     if explicit_token and not config_file:
         peers = [p for p in cfg["net.peers"].split(",") if p.strip()]
-        reporter.info(f"fetching the configuration of swarm {swarm.name!r} from a peer ...",
-                      event="config_fetch")
-        found = asyncio.run(fetch_swarm_config(swarm, peers, cfg["node.join_timeout"],
-                                               cfg["net.mdns"]))
-        if found is None:
+        if not peers and not cfg["net.mdns"]:  # nobody to ask: said so, not "no answer"
+            reporter.info(f"no --peer and mDNS off: swarm {swarm.name!r} starts with this "
+                          f"node's own configuration", event="config_local")
+            found = None
+        else:
+            reporter.info(f"fetching the configuration of swarm {swarm.name!r} from a peer "
+                          f"...", event="config_fetch")
+            found = asyncio.run(fetch_swarm_config(swarm, peers, cfg["node.join_timeout"],
+                                                   cfg["net.mdns"]))
+        if found is None and (peers or cfg["net.mdns"]):
             reporter.warn(f"no member of swarm {swarm.name!r} answered within "
                           f"{cfg['node.join_timeout']:g}s: starting it with this node's own "
                           f"configuration", event="config_local")
-        else:
+        elif found is not None:
             options, addr = found
             cfg = resolve(None, os.environ, flags, adopted=options, adopted_from=addr)
             reporter.info(f"adopted the swarm's configuration from {addr}",
@@ -326,7 +331,14 @@ def cmd_fetch(args, flags: dict) -> int:
     cfg = resolve(config_file, os.environ, flags)
     swarm = swarm_of(cfg, config_file)
     peers = [args.peer] if args.peer else [p for p in cfg["net.peers"].split(",") if p.strip()]
+    if not peers and not cfg["net.mdns"]:
+        raise UserError("--no-mdns leaves nothing to find the leader by: give --peer HOST:PORT"
+                        + ("; no --token or --config was given either: give your swarm's "
+                           "token or config" if swarm.is_demo else ""))
     out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():  # before any network work (it failed at the end)
+        raise UserError(f"--out {out}: a file is there; give a directory (new, or a node's "
+                        f"state directory)")
     held = state_dir_of(out)
     if held is not None:  # writing into a node's state: never while that node runs
         lock_state_dir(held, instead="fetch into another --out")
