@@ -69,7 +69,7 @@ class Option:
 
     def accepted(self) -> str:
         if self.choices:
-            return "one of " + ", ".join(self.choices)
+            return "one of " + ", ".join(c or '"" (none)' for c in self.choices)
         what = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
         text = what[self.kind]
         if self.kind is str and self.default:

@@ -46,6 +46,7 @@ def test_unknown_key_is_named_with_a_suggestion(tmp_path):
     ("train.beta1", "1", r"number in \[0, 0.999999\]"),  # ZeroDivisionError at the 1st step
     ("train.beta2", "1.0", r"number in \[0, 0.999999\]"),
     ("train.min_lr_ratio", "2", r"number in \[0, 1\]"),  # the rate climbed to 2x the peak
+    ("model.preset", "foo", r'one of "" \(none\), rwkv-169m'),  # "one of , rwkv-169m"
 ])
 def test_bad_values_name_the_key_and_what_is_accepted(key, raw, match):
     with pytest.raises(ConfigError, match=match) as err:

@@ -254,9 +254,11 @@ def _main(argv: list[str] | None) -> int:
         print(f"p2ptrain: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except MemoryError as exc:  # numpy's too-big allocation says how much it wanted
-        print(f"p2ptrain: error: out of memory ({str(exc) or 'an allocation failed'}); "
-              f"`p2ptrain hw` shows the largest model this machine holds: choose a smaller "
-              f"model, --batch or train.accum", file=sys.stderr)
+        hint = ("a smaller --size" if getattr(args, "command", None) == "bench" else
+                "`p2ptrain hw` shows the largest model this machine holds: choose a smaller "
+                "model, --batch or train.accum")
+        print(f"p2ptrain: error: out of memory ({str(exc) or 'an allocation failed'}); {hint}",
+              file=sys.stderr)
         return 1
     except BrokenPipeError:  # `p2ptrain config show | head`: the reader left, as for `cat`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
