@@ -314,3 +314,17 @@ def test_a_tokenizer_whose_ids_reach_far_past_its_entries_is_refused(tmp_path):
         prepare([tmp_path / "t.txt"], tmp_path / "tokenizer.json", tmp_path / "c",
                 progress=False)
     assert not (tmp_path / "c").exists()
+
+
+def test_prepare_says_how_far_it_is_in_a_pipe(shakespeare, tmp_path, monkeypatch):
+    """Into a pipe or a log there is no bar: a 45 MB file was 16 s of silence, then one line.
+    A line now and then says how far it is (every 5 s; every block here)."""
+    from p2ptrain.data import prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(prepare_module, "BLOCK_BYTES", 64 * 1024)
+    root, tokenizer, _, _ = shakespeare
+    said: list[str] = []
+    prepare([root / "text"], tokenizer, tmp_path / "c", progress=False, say=said.append)
+    lines = [s for s in said if s.startswith("tokenizing:")]
+    assert len(lines) >= 3 and "(100%)" in lines[-1], said

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from p2ptrain.fsutil import atomic_write_bytes, fsync_dir, remove_orphans
 
 BLOCK_BYTES = 8 * 2**20  # text tokenized at once (cut at a line end)
 SHARD_TOKENS = 2**27  # ids per shard (256 MiB of uint16)
+PROGRESS_EVERY = 5.0  # s between progress lines when stderr is no terminal
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,7 @@ def prepare(inputs: list[Path], tokenizer_path: Path, out: Path, holdout_fractio
     try:
         writer = _ShardWriter(tmp, DTYPES[dtype_name], shard_tokens, vocab)
         show = sys.stderr.isatty() if progress is None else progress
+        done, last = 0, time.monotonic()
         with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
                   disable=not show) as bar:
             for path in files:
@@ -216,7 +219,13 @@ def prepare(inputs: list[Path], tokenizer_path: Path, out: Path, holdout_fractio
                                                      add_special_tokens=False)
                     writer.write(np.fromiter(itertools.chain.from_iterable(
                         e.ids for e in encoded), dtype=np.int64))
-                    bar.update(len(block.encode("utf-8", "replace")))
+                    size = len(block.encode("utf-8", "replace"))
+                    bar.update(size)
+                    done += size
+                    if not show and time.monotonic() - last >= PROGRESS_EVERY:  # a pipe, a log:
+                        last = time.monotonic()  # a line now and then instead of the bar
+                        say(f"tokenizing: {done / 1e6:,.1f} of {total_bytes / 1e6:,.1f} MB "
+                            f"({100 * done / max(total_bytes, 1):.0f}%), {path.name}")
                 if invalid[0]:
                     say(f"warning: {path} is not all UTF-8 text: {invalid[0]} of its blocks "
                         f"had invalid bytes, tokenized as U+FFFD (convert it to UTF-8 first?)")
