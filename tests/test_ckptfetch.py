@@ -345,6 +345,20 @@ def test_an_interrupted_fetch_resumes_with_only_the_missing_chunks(leader, tmp_p
     assert store.read_manifest(out).leader == leader.ident.node_id and not partial.exists()
 
 
+def test_a_fetch_stopped_inside_its_final_rename_resumes_without_fetching_again(leader,
+                                                                              tmp_path):
+    """finish() writes the manifest, drops the progress record, then renames: a crash
+    between the two lost the record, and the next fetch threw the whole partial away."""
+    out = fetch(leader, tmp_path / "out")
+    partial = tmp_path / "out" / (PARTIAL_PREFIX + leader.ckid)
+    out.rename(partial)  # as finish() left it just before its rename
+    assert not (partial / "progress.json").exists()
+    leader.counts["chunks"] = 0
+    again = fetch(leader, tmp_path / "out")
+    assert leader.counts["chunks"] == 0 and store.read_manifest(again).step == \
+        store.read_manifest(leader.ckroot / leader.ckid).step and not partial.exists()
+
+
 def test_a_resumed_chunk_that_no_longer_hashes_right_is_fetched_again(leader, tmp_path):
     leader.cut_after = 3
     with pytest.raises(FetchError):

@@ -89,8 +89,9 @@ def resume(partial: Path, manifest: mf.Manifest, files: tuple[str, ...]) -> dict
             raise ValueError("another manifest")
         listed = {(n, i) for n in mf.DATA_FILES for i in doc["done"][n] if type(i) is int}
     except (OSError, ValueError, TypeError, KeyError, RecursionError):
-        shutil.rmtree(partial, ignore_errors=True)  # unusable or of another checkpoint
-        listed = set()
+        listed = _finished(partial, manifest, files)
+        if not listed:
+            shutil.rmtree(partial, ignore_errors=True)  # unusable or of another checkpoint
     if not partial.is_dir():
         need = manifest.size(files)
         free = shutil.disk_usage(partial.parent).free
@@ -114,6 +115,18 @@ def resume(partial: Path, manifest: mf.Manifest, files: tuple[str, ...]) -> dict
                     if xxhash.xxh3_64_hexdigest(f.read(c.length)) == c.digest:
                         have[name].add(c.index)
     return have
+
+
+def _finished(partial: Path, manifest: mf.Manifest, files: tuple[str, ...]) -> set:
+    """Every chunk of `files`, when `partial` holds this manifest: `finish` wrote it, then
+    dropped the progress record, and was stopped before its rename (the chunks are still
+    hashed by `resume`, not fetched again); else nothing."""
+    try:
+        if mf.read(partial).digest != manifest.digest:
+            return set()
+    except (mf.CheckpointError, OSError):
+        return set()
+    return {(n, c.index) for n in files for c in manifest.files[n].chunks(n)}
 
 
 def finish(partial: Path, final: Path, manifest: mf.Manifest, files: tuple[str, ...]) -> None:
