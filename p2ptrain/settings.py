@@ -125,7 +125,9 @@ class NetConfig:
                        maximum=65535)
     bind: str = option("0.0.0.0", "address the HTTP API listens on", flag="--bind")
     advertise: str = option("", "address peers should use to reach this node (empty: the "
-                            "first non-loopback address)", flag="--advertise")
+                            "--bind address if it names one, else this machine's address "
+                            "on the route toward the first --peer, or the default route)",
+                            flag="--advertise")
     peers: str = option("", "static seed peers, HOST:PORT separated by commas; a DNS name "
                         "stands for all its addresses", flag="--peer")
     mdns: bool = option(True, "find peers on the LAN by mDNS")
