@@ -182,3 +182,19 @@ def test_the_history_route_is_open_unless_the_routes_are_closed():
     assert (plain, signed) == (401, 200) and body["now"] == 2.0
     (plain, _), _ = asyncio.run(fetch_history(True, None))
     assert plain == 404
+
+
+def test_the_history_answer_is_built_at_most_once_a_second():
+    """A full history is ~200 kB of JSON, 6.8 ms to build and compress on the node's loop;
+    an address may ask 50 times a second (a third of the loop). It is built once a second."""
+    import gzip
+    import json
+
+    from p2ptrain.net.dashboard import Built
+
+    calls = []
+    built = Built(lambda: calls.append(1) or {"n": len(calls)}, fresh=1.0)
+    first = built.get(10.0)
+    assert built.get(10.5) == first and len(calls) == 1
+    plain, packed = built.get(11.0)
+    assert len(calls) == 2 and json.loads(plain) == {"n": 2} == json.loads(gzip.decompress(packed))

@@ -35,8 +35,8 @@ def test_metrics_parse_with_conventional_names_and_types(tmp_path):
         wait_for("both to train", lambda: all(p.status()["step"] > 10 for p in (a, b)), 60)
         first = _scrape(a.addr)
         types = {
-            "p2ptrain_steps": "counter", "p2ptrain_samples": "counter",
-            "p2ptrain_swarm_samples": "counter", "p2ptrain_received_bytes": "counter",
+            "p2ptrain_step": "gauge", "p2ptrain_samples": "gauge",
+            "p2ptrain_swarm_samples": "gauge", "p2ptrain_received_bytes": "counter",
             "p2ptrain_sent_bytes": "counter", "p2ptrain_upload_bytes": "counter",
             "p2ptrain_tokens": "counter", "p2ptrain_refused_requests": "counter",
             "p2ptrain_checkpoint_served_bytes": "counter",
@@ -63,9 +63,11 @@ def test_metrics_parse_with_conventional_names_and_types(tmp_path):
         assert served == a.status()["runtime"].get("served_bytes", 0)  # the join is over
         build = next(s for s in first["p2ptrain_build_info"].samples)
         assert build.labels["version"] and build.labels["python"]
+        assert {s.labels["state"] for s in first["p2ptrain_members"].samples} == {
+            "alive", "suspect", "dead", "left"}  # zeros too: an alert on none alive fires
         wait_for("the counters to move", lambda: _value(
-            _scrape(a.addr)["p2ptrain_steps"], "_total") > _value(first["p2ptrain_steps"],
-                                                                 "_total"), 30)
+            _scrape(a.addr)["p2ptrain_tokens"], "_total") > _value(first["p2ptrain_tokens"],
+                                                                  "_total"), 30)
         assert all(c == 0 for c in lab.stop_all())
 
 

@@ -217,3 +217,18 @@ def test_mutated_messages_are_refused_or_valid(data):
 def test_encoding_is_compact():
     env = Envelope(header(A), Ping(1, B))
     assert len(wire.encode(env)) < 200
+
+
+def test_text_with_control_characters_is_refused():
+    """A member's device class or address is printed by `status` and logged: one holding ESC
+    sequences set the operator's terminal colours and window title."""
+    from tests.proto_samples import info
+
+    for field in ("device_class", "addr"):
+        good = info()
+        bad = type(good)(**{**{f: getattr(good, f) for f in good.__dataclass_fields__},
+                            field: "pi4\x1b]0;pwned\x07"})
+        with pytest.raises(ValueError, match="control characters"):
+            bad.check()
+    doc = _doc(Envelope(header(), Ping(1, B)))
+    assert "control" in _reject(_frame(1, _replace(doc, (0, 3), "10.0.0.1:7100\x1b[41m")))

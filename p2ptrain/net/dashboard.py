@@ -8,8 +8,10 @@ browser's JSON.parse refuses -- one non-finite figure (a diverging loss) blanked
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -22,6 +24,24 @@ def dumps(doc: Any) -> str:
         return json.dumps(doc, allow_nan=False)
     except ValueError:
         return json.dumps(_finite(doc), allow_nan=False)
+
+
+class Built:
+    """A document's answer built at most once per `fresh` seconds, in JSON and gzipped: a
+    full `/v1/history` is ~200 kB of JSON, 6.8 ms to build and compress on the node's loop,
+    and an address may ask 50 times a second (a third of the loop; the page asks every 2 s)."""
+
+    def __init__(self, build: Callable[[], Any], fresh: float = 1.0):
+        self.build, self.fresh = build, fresh
+        self.at, self.plain, self.packed = -math.inf, b"", b""
+
+    def get(self, now: float) -> tuple[bytes, bytes]:
+        """(JSON, gzipped JSON) of the document as built at most `fresh` seconds ago."""
+        if now - self.at >= self.fresh:
+            self.plain = dumps(self.build()).encode()
+            self.packed = gzip.compress(self.plain, 6)
+            self.at = now
+        return self.plain, self.packed
 
 
 def _finite(value: Any) -> Any:

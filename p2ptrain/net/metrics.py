@@ -2,10 +2,13 @@
 
 One registry per node with the process and platform collectors, build info, and a collector
 that reads the node's status document (the one `/v1/status` serves) at every scrape:
-counters (`_total`) for what only grows -- steps, samples, tokens, bytes, refusals -- gauges
-for what moves both ways (loss, term, leadership, members by state), a histogram of training
-step times, and per-peer RTT and bandwidth for at most `MAX_PEERS` peers (labels stay
-bounded). Read-only: it never changes the node.
+counters (`_total`) for what only grows in this process -- tokens, bytes, refusals -- gauges
+for what moves both ways (loss, term, leadership, members by state) and for the step and
+sample counts (a restart resumes them from its checkpoint, lower than last scraped: as
+counters, Prometheus read that as a reset and `increase()` spiked by the whole count), a
+histogram of training step times (its `_count`: this process's steps, for rates), and the
+RTT and bandwidth of at most `MAX_PEERS` live peers (labels stay bounded). Read-only: it never
+changes the node.
 """
 
 from __future__ import annotations
@@ -26,18 +29,24 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from p2ptrain import __version__
 
 MAX_PEERS = 64  # peers with their own RTT/bandwidth series, at most
+MEMBER_STATES = ("alive", "suspect", "dead", "left")  # p2ptrain_members' series, always
+LIVE_STATES = ("alive", "suspect")  # members whose RTT and bandwidth are reported
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 COUNTERS = (  # status key, metric name (without _total), help
-    ("step", "p2ptrain_steps", "local optimiser steps taken"),
-    ("samples", "p2ptrain_samples", "samples this node trained on"),
-    ("swarm_samples", "p2ptrain_swarm_samples", "the swarm's sample count as this node knows it"),
     ("bytes_in", "p2ptrain_received_bytes", "protocol bytes received from members"),
-    ("bytes_out", "p2ptrain_sent_bytes", "protocol bytes sent to members"),
+    ("bytes_out", "p2ptrain_sent_bytes", "protocol bytes addressed to members (gradient "
+     "pushes the outbox drops for a busy peer included: upload_bytes is what left)"),
     ("upload_bytes", "p2ptrain_upload_bytes", "bytes through the upload cap (all bodies sent)"),
     ("skipped_steps", "p2ptrain_skipped_steps", "steps discarded for non-finite values"),
 )
 GAUGES = (
+    ("step", "p2ptrain_step", "the optimiser step this node's replica is at (a restart "
+     "resumes it from its checkpoint)"),
+    ("samples", "p2ptrain_samples", "samples this node's replica was trained on (resumed "
+     "likewise)"),
+    ("swarm_samples", "p2ptrain_swarm_samples", "the swarm's sample count as this node knows "
+     "it"),
     ("loss", "p2ptrain_train_loss", "training loss of the last step (nats/token)"),
     ("eval_loss", "p2ptrain_eval_loss", "last held-out loss (nats/token)"),
     ("average_eval_loss", "p2ptrain_average_eval_loss",
@@ -76,7 +85,7 @@ class NodeCollector:
                                 "leader", value=1.0 if doc.get("is_leader") else 0.0)
         members = GaugeMetricFamily("p2ptrain_members", "members known, by state",
                                     labels=["state"])
-        states: dict[str, int] = {}
+        states = dict.fromkeys(MEMBER_STATES, 0)  # zeros too: an alert on no live member
         for member in doc.get("members", []):
             states[member["state"]] = states.get(member["state"], 0) + 1
         for state, n in sorted(states.items()):
@@ -102,6 +111,8 @@ class NodeCollector:
                                       "measured transfer rate from a member", labels=["peer"])
         for member in sorted(doc.get("members", []), key=lambda m: m["node_id"])[:MAX_PEERS]:
             peer = member["node_id"][:12]
+            if member.get("state") not in LIVE_STATES:  # a dead member's last figures are
+                continue  # no measurement of now
             if _number(member.get("rtt_ms")) is not None:
                 rtt.add_metric([peer], member["rtt_ms"] / 1e3)
             if _number(member.get("bandwidth")) is not None:

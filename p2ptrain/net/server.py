@@ -35,6 +35,7 @@ fall silent).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,6 +124,7 @@ SERVED: web.AppKey[Served] = web.AppKey("served")
 METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")
 BUDGETS: web.AppKey[dict[bool, BodyBudget]] = web.AppKey("budgets")
 OPEN_RATE: web.AppKey[OpenRate] = web.AppKey("open_rate")
+HISTORY: web.AppKey[dashboard.Built | None] = web.AppKey("history")
 
 
 def _error(status: int, reason: str, headers: dict[str, str] | None = None,
@@ -259,12 +261,14 @@ async def _status(request: web.Request) -> web.Response:
 
 
 async def _history(request: web.Request) -> web.Response:
-    history = request.app[SERVED].history
-    if history is None:
+    built = request.app[HISTORY]
+    if built is None:
         return _error(404, "this node keeps no history")
-    response = web.json_response(history(), dumps=dashboard.dumps)
-    response.enable_compression()  # up to some hundred kB of points, every few seconds
-    return response
+    plain, packed = built.get(asyncio.get_running_loop().time())
+    if "gzip" in request.headers.get("Accept-Encoding", ""):
+        return web.Response(body=packed, content_type="application/json",
+                            headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+    return web.Response(body=plain, content_type="application/json")
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -295,6 +299,7 @@ def build_app(served: Served, shelf: Shelf, bases: dict[str, Path] | None = None
                     True: BodyBudget(CONTROL_BODY_MEMORY, wait)}
     app[GATE] = []
     app[OPEN_RATE] = OpenRate()
+    app[HISTORY] = dashboard.Built(served.history) if served.history is not None else None
     for route in ROUTES:
         app.router.add_post(route, _message)
     app.router.add_get("/v1/config", _config)

@@ -48,8 +48,12 @@ def check_count(value: object, what: str) -> None:
 
 
 def check_text(value: object, what: str, limit: int = MAX_TEXT) -> None:
+    """A peer's text: printed by `status` and logged, so no control characters (a member's
+    device class set the terminal's colours and title)."""
     if not isinstance(value, str) or len(value) > limit:
         raise ValueError(f"{what} must be a string of at most {limit} characters")
+    if not value.isprintable():
+        raise ValueError(f"{what} holds control characters")
 
 
 def fingerprint_of(fields: Mapping[str, str]) -> str:
