@@ -16,8 +16,9 @@ from p2ptrain.models.presets import PRESETS
 from p2ptrain.models.rwkv import RWKVConfig
 from p2ptrain.proto.gossip.config import AUTO, AUTO_FULL_FLOPS, GossipConfig, flops_per_coordinate
 from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
-from p2ptrain.proto.gossip.mixer import STEP_FLOOR, GradientMixer, SwarmRate
+from p2ptrain.proto.gossip.mixer import STEP_FLOOR, GradientMixer
 from p2ptrain.proto.gossip.peers import MIN_BANDWIDTH_BYTES, PeerStats, PeerTable, give_up_seconds
+from p2ptrain.proto.gossip.swarmrate import SwarmRate
 from p2ptrain.proto.gossip.trainer import GossipTrainer
 from p2ptrain.proto.messages import Out
 from sims import run

@@ -484,3 +484,22 @@ def test_an_exchange_whose_partner_died_ends_at_once():
     started = node.trainer.stats["average_started"]
     c.run_until(c.now + 3.0)  # and averaging goes on with whoever lives
     assert node.trainer.stats["average_started"] > started
+
+
+def test_joined_says_when_the_first_step_waits_for_min_peers():
+    """A node that joined ('this node leads') then sat at step 0 for the join timeout while
+    it waited for node.min_peers, saying nothing: the start line now says so."""
+    from p2ptrain.proto.events import Joined
+
+    joined: list[str] = []
+
+    class Watch:
+        def on_actions(self, cluster, i, event, actions):
+            joined.extend(a.reason for a in actions if type(a) is Joined and i == 0)
+
+    config = NodeConfig(min_peers=5, join_timeout=30.0)
+    c = TrainingCluster(1, 3, lambda i, node_id: learner(node_id), node_config=config)
+    c.observe(Watch())
+    c.run_until(40.0)
+    assert len(joined) == 1 and "the first step waits up to" in joined[0], joined
+    assert "node.min_peers (5)" in joined[0] and c.training_node(0).learner.step > 0
