@@ -49,9 +49,9 @@ class Housekeeping:
     def save_started(self, now: float) -> None:
         self.last_save = now
 
-    def save_finished(self, seconds: float) -> None:
+    def save_finished(self, seconds: float, written: bool = True) -> None:
         self.save_seconds = seconds
-        self.saves += 1
+        self.saves += written  # (a failed write: the resume checkpoint is still the newest)
 
     def stop_reason(self, now: float, step: int) -> str | None:
         """Why the run's own bounds end it now (None: go on)."""

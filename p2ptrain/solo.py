@@ -59,7 +59,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
         nonlocal saves, saved_any, saved_step, saved_path
         if final and saved_step == learner.step:  # the periodic one of this step: not twice
             reporter.info(f"checkpoint {saved_path.name} is the final one", event="checkpoint",
-                          path=str(saved_path), step=learner.step, final=True)
+                          path=str(saved_path), step=learner.step, final=True, written=False)
             return True
         saves += 1
         t0 = time.monotonic()

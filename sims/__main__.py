@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         docs = []
         for d in args.dirs:
             try:
-                docs.append(json.loads((d / "results.json").read_text()))
+                doc = json.loads((d / "results.json").read_text())
+                if not isinstance(doc, dict) or not {"seed", "scenario", "methods"} <= doc.keys():
+                    raise ValueError("not a run's results")
+                docs.append(doc)
             except (OSError, ValueError) as exc:  # not a run's directory, or a damaged one
                 print(f"error: {d}: no readable results.json ({exc.__class__.__name__}: "
                       f"{exc}); give directories `python -m sims run` wrote", file=sys.stderr)

@@ -247,7 +247,7 @@ def read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     try:
         with path.open("rb") as f:
             doc = tomllib.load(f)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{path}: not valid TOML ({exc})") from None
     except OSError as exc:
         raise ScenarioError(f"{path}: {exc.strerror or exc}") from None

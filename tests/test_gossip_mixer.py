@@ -362,3 +362,16 @@ def test_a_chunk_longer_than_any_node_sends_is_refused_before_decoding():
     with pytest.raises(CodecError, match="at most"):
         mixer.receive(chunk, 10)
     assert mixer._scratch.nbytes == 0 and mixer.drops["malformed"] == 1
+
+
+def test_a_vector_that_can_never_fit_is_refused_before_it_evicts_anything():
+    """With its chunks' overhead a vector may be larger than the whole queue: it evicted the
+    complete vectors held, then itself, chunk after chunk."""
+    held = msgs(grad(1), 1, 5, 8.0)
+    mixer = GradientMixer(GossipConfig(queue_bytes=len(held[0]) + 2 * CHUNK_OVERHEAD, **LOOSE),
+                          N)
+    assert send(mixer, held, 10) is Arrival.COMPLETE
+    tiny = msgs(grad(2), 2, 6, 8.0, chunk=8)  # 125 chunks: never fits
+    assert mixer.receive(tiny[0], 10) is Arrival.FULL
+    assert mixer.pending == 1 and mixer.drops["full"] == 1
+    assert mixer.mix(grad(0), 8.0, 10).senders == {sid(1)}

@@ -198,3 +198,12 @@ def test_the_history_answer_is_built_at_most_once_a_second():
     assert built.get(10.5) == first and len(calls) == 1
     plain, packed = built.get(11.0)
     assert len(calls) == 2 and json.loads(plain) == {"n": 2} == json.loads(gzip.decompress(packed))
+
+
+@pytest.mark.parametrize("header,gzip", [
+    ("gzip, deflate, br", True), ("br;q=1.0, gzip;q=0.8", True), ("gzip;q=0", False),
+    ("identity", False), ("*", True), ("*;q=0", False), ("", False), ("gzip;q=x", False)])
+def test_the_history_is_gzipped_only_for_a_client_that_takes_it(header, gzip):
+    from p2ptrain.net.dashboard import accepts_gzip
+
+    assert accepts_gzip(header) is gzip

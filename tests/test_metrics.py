@@ -87,3 +87,16 @@ def test_with_ema_a_node_reports_the_loss_of_the_average_its_checkpoints_carry(t
         gauge = _value(_scrape(a.addr)["p2ptrain_average_eval_loss"])
         assert gauge > 0 and doc["average_eval_loss"] > 0
         assert all(c == 0 for c in lab.stop_all())
+
+
+def test_live_members_get_their_series_before_dead_ones_take_the_slots():
+    from p2ptrain.net.metrics import MAX_PEERS, NodeCollector
+
+    members = [{"node_id": f"{i:032x}", "state": "dead", "rtt_ms": 5.0, "bandwidth": 1.0}
+               for i in range(MAX_PEERS + 5)]
+    members.append({"node_id": "f" * 32, "state": "alive", "rtt_ms": 7.0, "bandwidth": 2.0})
+    families = {f.name: f for f in NodeCollector(lambda: {"members": members}).collect()}
+    assert [s.labels["peer"] for s in families["p2ptrain_peer_rtt_seconds"].samples] == [
+        "f" * 12]
+    states = {s.labels["state"]: s.value for s in families["p2ptrain_members"].samples}
+    assert states == {"alive": 1, "suspect": 0, "dead": MAX_PEERS + 5, "left": 0}

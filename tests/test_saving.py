@@ -19,7 +19,7 @@ class FakePlan:
     def save_started(self, now: float) -> None:
         pass
 
-    def save_finished(self, seconds: float) -> None:
+    def save_finished(self, seconds: float, written: bool = True) -> None:
         self.save_seconds = seconds
 
 

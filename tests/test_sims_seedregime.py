@@ -44,6 +44,9 @@ def test_base_scenario_is_inherited_and_overridden(tmp_path):
     bad.write_text("name = \n")  # a traceback from `python -m sims run bad.toml`
     with pytest.raises(ScenarioError, match="not valid TOML"):
         read(bad)
+    bad.write_bytes(b'name = "caf\xe9"\n')  # not UTF-8
+    with pytest.raises(ScenarioError, match="not valid TOML"):
+        read(bad)
 
 
 def test_sims_seeds_of_a_directory_without_results_is_one_line(tmp_path, capsys):
@@ -52,6 +55,9 @@ def test_sims_seeds_of_a_directory_without_results_is_one_line(tmp_path, capsys)
     assert main(["seeds", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no readable results.json" in err and "Traceback" not in err
+    (tmp_path / "results.json").write_text("[1, 2]")  # JSON, not a run's results
+    assert main(["seeds", str(tmp_path)]) == 2
+    assert "not a run's results" in capsys.readouterr().err
 
 
 def test_seed_regime_sizes_fit_and_batches():

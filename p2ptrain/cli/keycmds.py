@@ -111,16 +111,20 @@ def cmd_key_rotate(args) -> int:
             prev_text, float(grace)):
         raise UserError(f"could not name the previous key in {config_path}; nothing changed")
 
-    try:  # the previous key's copy, then the config naming it, then the new key: a failure
-        old = keep_previous(key_path, prev_path, name)  # before the last leaves the key as
-        atomic_write_bytes(config_path, new_text.encode(),  # it was
-                           mode=stat.S_IMODE(os.stat(config_path).st_mode))
-        new = replace_key(key_path, old)
+    try:  # the previous key's place takes the current key (the one before is dropped then)
+        old = keep_previous(key_path, prev_path, name)
     except OSError as exc:
         raise UserError(f"key rotate: {describe_os_error(exc)}; the key is not rotated") from None
     if dropped:
         print(f"note: the key before this one ({dropped}) is dropped now: members that "
               f"still hold only it are refused at once")
+    try:  # then the config naming it, then the new key: a failure leaves the key as it was
+        atomic_write_bytes(config_path, new_text.encode(),
+                           mode=stat.S_IMODE(os.stat(config_path).st_mode))
+        new = replace_key(key_path, old)
+    except OSError as exc:
+        raise UserError(f"key rotate: {describe_os_error(exc)}; the key is not rotated (its "
+                        f"copy is in {prev_path})") from None
     print(f"swarm {name!r}: key rotated, swarm id {old.swarm_id} -> {new.swarm_id}")
     print(f"  {key_path}   the new key (secret, mode 0600)")
     print(f"  {prev_path}   the previous key (secret, mode 0600)")

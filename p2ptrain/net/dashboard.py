@@ -44,6 +44,19 @@ class Built:
         return self.plain, self.packed
 
 
+def accepts_gzip(header: str) -> bool:
+    """Whether an Accept-Encoding header takes gzip (named, or *, without q=0)."""
+    for item in header.split(","):
+        name, _, params = item.strip().partition(";")
+        if name.strip().lower() in ("gzip", "*"):
+            q = params.strip().lower().removeprefix("q=")
+            try:
+                return not params.strip() or float(q) > 0
+            except ValueError:
+                return False
+    return False
+
+
 def _finite(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None

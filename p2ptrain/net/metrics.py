@@ -109,10 +109,9 @@ class NodeCollector:
                                 labels=["peer"])
         bandwidth = GaugeMetricFamily("p2ptrain_peer_bandwidth_bytes_per_second",
                                       "measured transfer rate from a member", labels=["peer"])
-        for member in sorted(doc.get("members", []), key=lambda m: m["node_id"])[:MAX_PEERS]:
-            peer = member["node_id"][:12]
-            if member.get("state") not in LIVE_STATES:  # a dead member's last figures are
-                continue  # no measurement of now
+        live = [m for m in doc.get("members", []) if m.get("state") in LIVE_STATES]  # a dead
+        for member in sorted(live, key=lambda m: m["node_id"])[:MAX_PEERS]:  # one's figures
+            peer = member["node_id"][:12]  # are no measurement of now
             if _number(member.get("rtt_ms")) is not None:
                 rtt.add_metric([peer], member["rtt_ms"] / 1e3)
             if _number(member.get("bandwidth")) is not None:

@@ -378,7 +378,7 @@ class Runtime:
             self.io_pool.shutdown(wait=True)  # waited for above; a checkpoint write must end
         reporter.stopped(self.stop_reason, self.learner.step, self.learner.samples,
                          self.node.eval_loss if self.node else None)
-        return self.exit_code or self.saver.lost_final(self.learner.step)
+        return self.saver.lost_final(self.learner.step, self.exit_code)
 
     async def _shutdown(self) -> None:
         self._stopping = True

@@ -94,7 +94,8 @@ class Saver:
 
         def done(f: asyncio.Future) -> None:
             self.future = None
-            self.plan.save_finished(self.now() - started)
+            self.plan.save_finished(self.now() - started,
+                                    not f.cancelled() and f.exception() is None)
             try:
                 self._report(f, snap.step, term, reason, final)
             finally:
@@ -136,16 +137,16 @@ class Saver:
             self.retry = asyncio.get_running_loop().call_later(
                 delay, self._retry, term, reason.removesuffix(", retry") + ", retry")
 
-    def lost_final(self, step: int) -> int:
-        """The exit code's share of a stopped run: 1, said in one line, when its final
-        checkpoint failed and none was written since (its last steps are lost; scripts must
-        be able to tell), else 0."""
+    def lost_final(self, step: int, code: int = 0) -> int:
+        """The exit code of a stopped run whose own reason gave `code`: `code` if not 0, else 1
+        when its final checkpoint failed and none was written since (its last steps are lost;
+        scripts must be able to tell: said in one line either way), else 0."""
         if not self.lost:
-            return 0
+            return code
         self.reporter.error("the final checkpoint was not written (see the warning above): the "
                             "steps since the last checkpoint written are lost",
                             event="final_checkpoint_lost", step=step)
-        return 1
+        return code or 1
 
     def _retry(self, term: int, reason: str) -> None:
         self.retry = None

@@ -265,10 +265,11 @@ async def _history(request: web.Request) -> web.Response:
     if built is None:
         return _error(404, "this node keeps no history")
     plain, packed = built.get(asyncio.get_running_loop().time())
-    if "gzip" in request.headers.get("Accept-Encoding", ""):
-        return web.Response(body=packed, content_type="application/json",
-                            headers={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
-    return web.Response(body=plain, content_type="application/json")
+    if dashboard.accepts_gzip(request.headers.get("Accept-Encoding", "")):
+        return web.Response(body=packed, content_type="application/json", headers={
+            "Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+    return web.Response(body=plain, content_type="application/json",
+                        headers={"Vary": "Accept-Encoding"})
 
 
 async def _metrics(request: web.Request) -> web.Response:

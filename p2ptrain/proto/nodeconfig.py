@@ -45,8 +45,9 @@ class NodeConfig:
                                  "push to it is dropped whole (back-pressure, not a queue)",
                                  minimum=1)
     chunk_elems: int = option(DEFAULT_CHUNK, "elements per codec chunk message (peers "
-                              "refuse gradient chunks longer than 16,777,216)", minimum=1024,
-                              maximum=1 << 24)
+                              "refuse gradient chunks longer than 16,777,216; each chunk a "
+                              "peer holds counts 1 KiB against its gossip.queue_bytes)",
+                              minimum=1 << 16, maximum=1 << 24)
     offender_refusals: int = option(5, "refusals of one member's values within "
                                     "node.offender_window seconds that make it ignored; 0: "
                                     "never", minimum=0)

@@ -249,6 +249,9 @@ class GradientMixer:
         key = (message.sender_id, message.swarm_samples)
         entry = self._pending.get(key)
         size = int(message.payload.nbytes) + CHUNK_OVERHEAD
+        if entry is None and message.chunk_count * CHUNK_OVERHEAD > self.config.queue_bytes:
+            self.drops["full"] += 1  # can never fit: refused before it evicts anything
+            return Arrival.FULL
         if entry is None:
             entry = _Pending(message, swarm_samples, self._seq)
             self._seq += 1
