@@ -129,7 +129,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
         if diverged:  # nothing more to save: the checkpoints before it are the ones to keep
             reason = diverged
         elif damaged:  # the weights are whole: keep what was trained, then say what is wrong
-            reason = damaged
+            reason = "the data cannot be read"
             if learner.step > plan.first_step:
                 lost = not save(final=True)
         elif stop["signal"]:

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from p2ptrain.learner import Learner
 
 
-
 def step_failure(exc: BaseException) -> tuple[str, str, int]:
     """Why a node whose step raised `exc` stops: (reason, detail, exit code). A shard damaged
     or replaced under the run is the data's fault (2); anything else a bug or out of memory
@@ -31,6 +30,7 @@ def step_failure(exc: BaseException) -> tuple[str, str, int]:
     if isinstance(exc, TokenDataError):
         return "the data cannot be read", str(exc), 2
     return "training step failed", repr(exc), 1
+
 
 class Stepper:
     """Runs one training step at a time in `executor`; `done(step, loss, eval_loss)` gets
