@@ -66,8 +66,8 @@ def test_a_duration_shorter_than_the_join_still_ends_the_run(tmp_path):
         assert "--duration" in out and "stopping" in out
         assert "finds no peer itself" in out  # mDNS off, no --peer: said at the start
         starts = [e for e in node.events() if e.get("event") == "training_starts"]
-        assert not starts or "waits up to" in starts[0]["reason"], starts  # (it said training
-        # starts, then sat at step 0 for the join timeout, saying nothing)
+        # (it said training starts, then sat at step 0 for the join timeout, saying nothing)
+        assert not starts or "training waits up to" in starts[0]["reason"], starts
 
 
 def test_a_run_that_diverges_where_it_resumed_names_the_checkpoint_to_move(tmp_path):

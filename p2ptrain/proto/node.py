@@ -249,7 +249,7 @@ class Node:
         self._maybe_step(now, actions)
         if self.phase == JOINING and self.join.done:  # joined, yet no step until min_peers
             wait = max(0.0, self.started + self.config.join_timeout - now)
-            actions[:] = [Joined(f"{a.reason}; the first step waits up to {wait:.0f}s for "
+            actions[:] = [Joined(f"{a.reason}; training waits up to {wait:.0f}s for "
                                  f"node.min_peers ({self.config.min_peers}) live peers")
                           if type(a) is Joined else a for a in actions]
         return actions
