@@ -1,11 +1,13 @@
 """The real `p2ptrain` command in subprocesses: training, resuming, bad input, sample, show."""
 
+import contextlib
 import json
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,19 +232,16 @@ def test_config_show_takes_every_join_flag_no_mdns_too():
                for line in r.stdout.splitlines()), r.stdout
 
 
-@pytest.mark.parametrize("status", ["<html>not json</html>", '{"leader": "a", "members": 7}',
-                                    '{"leader": ["a"], "node_id": "a", "holds": "x"}'])
-def test_checkpoint_fetch_from_a_host_answering_nonsense_says_so(tmp_path, status):
-    """/v1/status needs no key, so anything on the LAN may answer it: a clear error, no
-    traceback."""
-    assert run_cli("init", "--out", str(tmp_path / "sw"), timeout=60).returncode == 0
-    (tmp_path / "www" / "v1").mkdir(parents=True)
-    (tmp_path / "www" / "v1" / "status").write_text(status)
+@contextlib.contextmanager
+def _answering(www: Path, status: str):
+    """A plain HTTP server on loopback whose GET /v1/status answers `status`; its address."""
+    (www / "v1").mkdir(parents=True)
+    (www / "v1" / "status").write_text(status)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
-                               "--directory", str(tmp_path / "www"), str(port)],
+                               "--directory", str(www), str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         def listening() -> bool:
@@ -250,14 +249,34 @@ def test_checkpoint_fetch_from_a_host_answering_nonsense_says_so(tmp_path, statu
                 return s.connect_ex(("127.0.0.1", port)) == 0
 
         wait_for("the status server to listen", listening, timeout=30)
-        r = run_cli("checkpoint", "fetch", "--peer", f"127.0.0.1:{port}", "--config",
-                    str(tmp_path / "sw" / "swarm.toml"), "--timeout", "2", "--out",
-                    str(tmp_path / "out"), timeout=60)
+        yield f"127.0.0.1:{port}"
     finally:
         server.kill()
         server.wait()
+
+
+@pytest.mark.parametrize("status", ["<html>not json</html>", '{"leader": "a", "members": 7}',
+                                    '{"leader": ["a"], "node_id": "a", "holds": "x"}'])
+def test_checkpoint_fetch_from_a_host_answering_nonsense_says_so(tmp_path, status):
+    """/v1/status needs no key, so anything on the LAN may answer it: a clear error, no
+    traceback."""
+    assert run_cli("init", "--out", str(tmp_path / "sw"), timeout=60).returncode == 0
+    with _answering(tmp_path / "www", status) as addr:
+        r = run_cli("checkpoint", "fetch", "--peer", addr, "--config",
+                    str(tmp_path / "sw" / "swarm.toml"), "--timeout", "2", "--out",
+                    str(tmp_path / "out"), timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "no leader of swarm" in r.stderr, r.stderr
+
+
+def test_status_of_a_host_answering_odd_json_shows_what_it_can(tmp_path):
+    """`status` printed a traceback for a document without a node id, a member that is not
+    an object, or a holding that is not one (KeyError, AttributeError, TypeError)."""
+    odd = '{"node_id": 7, "holds": 5, "members": [5, {"node_id": "\\u001b[31mx", "rtt_ms": "s"}]}'
+    with _answering(tmp_path / "www", odd) as addr:
+        r = run_cli("status", "--peer", addr, timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "?[31mx" in r.stdout and "\x1b" not in r.stdout, r.stdout
 
 
 def test_init_takes_the_name_from_its_config_names_what_it_leaves_out_and_errs_in_a_line(

@@ -24,6 +24,7 @@ import aiohttp
 from p2ptrain.cli.peers import candidates as _candidates
 from p2ptrain.cli.peers import get_json as _get_json
 from p2ptrain.cli.peers import throwaway_signer
+from p2ptrain.cli.statusview import status_lines, text
 from p2ptrain.config import (
     LORA_DEFAULTS,
     OPTIONS,
@@ -258,42 +259,8 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(doc))
         return 0
-    leader = doc.get("leader")
-    print(f"swarm {doc.get('swarm')!r} | node {doc['node_id'][:12]} ({doc.get('phase')}) | "
-          f"leader {leader[:12] if leader else 'none'} (term {doc.get('term')}) | swarm "
-          f"samples {doc.get('swarm_samples', 0):,}")
-    holds, served = doc.get("holds"), (doc.get("runtime") or {}).get("served_bytes", 0)
-    if holds or served:
-        what = (f"holds checkpoint t{holds['term']}-s{holds['step']} ({holds['digest']})"
-                if holds else "holds no checkpoint")
-        print(f"{what} | served {human_count(served)}B of checkpoints")
-    head = ("node", "address", "class", "state", "step", "loss", "samples", "in", "out", "rtt")
-    rows = [(doc["node_id"][:12] + "*" + (" L" if doc["node_id"] == leader else ""),
-             doc.get("addr") or "-", doc.get("device_class"), doc.get("phase"),
-             doc.get("step"), doc.get("loss"), doc.get("samples"), doc.get("bytes_in"),
-             doc.get("bytes_out"), None)]
-    for m in doc.get("members", []):
-        mark = " L" if m.get("node_id") == leader else ""
-        rows.append((m["node_id"][:12] + mark, m.get("addr"), m.get("device_class"),
-                     m.get("state"), m.get("step"), m.get("loss"), m.get("samples"),
-                     m.get("bytes_in"), m.get("bytes_out"), m.get("rtt_ms")))
-
-    def fmt(v: Any, col: int) -> str:
-        if v is None:
-            return "-"
-        if col == 5 and isinstance(v, float):
-            return f"{v:.3f}"
-        if col == 9:
-            return f"{v:.1f}ms"
-        if col in (6, 7, 8) and isinstance(v, int | float):
-            return human_count(v)
-        return str(v)
-
-    table = [head] + [tuple(fmt(v, i) for i, v in enumerate(r)) for r in rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    for r in table:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    print("(* this node, L the leader)")
+    for line in status_lines(doc):
+        print(line)
     return 0
 
 
@@ -366,8 +333,8 @@ def cmd_fetch(args, flags: dict) -> int:
                     problems.append(f"{addr} knows no reachable leader yet")
                     continue
                 leader = doc["leader"]
-                say(f"leader {leader[:12]} at {sources[0]}; fetching its latest checkpoint "
-                    f"from {len(sources)} holder{'s' * (len(sources) != 1)}")
+                say(f"leader {text(leader, 12)} at {text(sources[0])}; fetching its latest "
+                    f"checkpoint from {len(sources)} holder{'s' * (len(sources) != 1)}")
                 bar = FetchProgress("fetching", say=say)
                 try:
                     return await fetch_checkpoint(session, sources, signer, out,
