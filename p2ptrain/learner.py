@@ -297,7 +297,7 @@ class Learner:
                 step, samples, adam_t = int(meta["step"]), int(meta["samples"]), int(meta["adam_t"])
                 data = meta["data"]
                 epoch, index = int(data["epoch"]), int(data["index"])
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:  # (int(1e999))
                 raise checkpoint.CheckpointError(f"{path.name}: bad resume data ({exc})") from None
             if not all(0 <= v <= COUNT_MAX for v in (step, samples, adam_t, epoch, index)):
                 raise checkpoint.CheckpointError(f"{path.name}: resume data out of range (step, "
@@ -311,7 +311,7 @@ class Learner:
         if with_state and same_node and meta.get(EMA_STEPS) is not None:
             try:
                 ema_steps = int(meta[EMA_STEPS])
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise checkpoint.CheckpointError(f"{path.name}: bad {EMA_STEPS}") from None
             live = space.zeros()  # becomes the average's buffer below
             checkpoint.load_tensors(path, checkpoint.STATE_FILE, {LIVE_WEIGHTS: live})

@@ -137,17 +137,8 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
     for stale in checkpoint.stale_temporaries(ckroot):
         reporter.warn(f"removing partial checkpoint {stale.name} left by an interrupted write")
         shutil.rmtree(stale, ignore_errors=True)
-    try:
-        found = checkpoint.find_latest(ckroot, learner.fingerprint, learner.model.arch())
-    except checkpoint.CheckpointMismatch as exc:
-        raise UserError(str(exc)) from None
-    for reason in found.skipped:
-        reporter.warn(f"skipping checkpoint: {reason}")
+    found = _resume(learner, ckroot, reporter)
     if found.path is not None:
-        try:
-            learner.restore(found.path, found.manifest)
-        except checkpoint.CheckpointError as exc:
-            raise UserError(f"cannot resume: {exc}") from None
         reporter.info(f"resumed from {found.path.name}: step {learner.step}, "
                       f"{learner.swarm_samples:,} samples", event="resumed",
                       checkpoint=str(found.path), step=learner.step)
@@ -156,6 +147,38 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
         reporter.info(f"weights from {hf_dir}", event="init_from", path=str(hf_dir))
     term = found.manifest.term if found.manifest is not None else 0
     return Prepared(identity, learner, ckroot, hw, term)
+
+
+def _resume(learner: Learner, ckroot: Path, reporter: Reporter) -> checkpoint.Found:
+    """Restore the newest checkpoint that verifies and loads. One that verifies (its hashes
+    and the leader's signature) but does not load -- non-finite weights, resume data out of
+    range, as a leader holding the swarm key could sign it into `checkpoint fetch --out` --
+    is passed over with a warning, as one that fails its hashes is: the node stopped, with
+    older good checkpoints beside it."""
+    unloadable: list[Path] = []
+    said: set[str] = set()
+    while True:
+        try:
+            found = checkpoint.find_latest(ckroot, learner.fingerprint, learner.model.arch(),
+                                           passing_over=unloadable)
+        except checkpoint.CheckpointMismatch as exc:
+            raise UserError(str(exc)) from None
+        for reason in found.skipped:
+            if reason not in said:
+                said.add(reason)
+                reporter.warn(f"skipping checkpoint: {reason}")
+        if found.path is None:
+            if unloadable:  # the only ones there do not load: say so rather than start over
+                raise UserError(f"cannot resume: no checkpoint in {ckroot} loads (the newest: "
+                                f"{unloadable[0].name}); move them aside to start afresh")
+            return found
+        try:
+            learner.restore(found.path, found.manifest)
+            return found
+        except checkpoint.CheckpointError as exc:
+            reporter.warn(f"skipping checkpoint: {exc}", event="resume_skipped",
+                          checkpoint=str(found.path))
+            unloadable.append(found.path)
 
 
 def averaging_text(settings: Settings, model: Model) -> str:

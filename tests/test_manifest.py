@@ -87,12 +87,17 @@ def test_a_term_beyond_the_protocols_bound_is_refused_and_a_damaged_term_file_ig
     from p2ptrain.net.saving import read_term
 
     doc = checkpoint.read_manifest(PREV).to_json()
-    with pytest.raises(checkpoint.ManifestError, match="beyond the protocol's 2"):
+    with pytest.raises(checkpoint.ManifestError, match="below 2.53"):
         mf.parse(dict(doc, term=2**60))
-    with pytest.raises(checkpoint.ManifestError, match="signature"):  # in range: read on
+    # exactly 2^52 made the node lead at 2^52 + 1, a term its own checkpoints cannot carry:
+    # none of that run's checkpoints was written, the final one lost
+    with pytest.raises(checkpoint.ManifestError, match="not below the protocol's 2.52"):
         mf.parse(dict(doc, term=2**52))
+    with pytest.raises(checkpoint.ManifestError, match="signature"):  # in range: read on
+        mf.parse(dict(doc, term=2**52 - 1))
     path = tmp_path / "term"
-    for text, want in (("2305843009213693952\n", 0), ("-3", 0), ("\xff", 0), ("41\n", 41)):
+    for text, want in (("2305843009213693952\n", 0), ("-3", 0), ("\xff", 0), ("41\n", 41),
+                       (str(2**52), 0), (str(2**52 - 1), 2**52 - 1)):
         path.write_text(text, encoding="latin-1")
         assert read_term(path) == want, text
     path.unlink()
@@ -121,3 +126,22 @@ def test_an_identity_key_that_cannot_be_read_is_one_line(tmp_path):
     (tmp_path / "identity.key").mkdir()
     with pytest.raises(IdentityError, match="cannot read .*identity.key"):
         load_or_create(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["step", "swarm_samples"])
+def test_a_step_or_count_the_protocol_cannot_carry_is_refused(field):
+    """A leader holding the swarm key signed a manifest of step 2^60 (the manifest allowed
+    up to 2^63, the protocol's holdings 2^53): a joiner fetched it, advertised it as its
+    holding, and its own protocol core refused that -- an internal error, at every start
+    (fetched/ keeps the newest checkpoint)."""
+    doc = checkpoint.read_manifest(PREV).to_json()
+    big = 2**53
+    changed = dict(doc, **{field: big})
+    if field == "swarm_samples":  # the sum of the counts: a count past the bound too
+        changed["swarm_count"] = {"a" * 32: big}
+    else:
+        changed["step"] = big
+    with pytest.raises(checkpoint.ManifestError, match="below 2.53|swarm_count"):
+        mf.parse(changed)
+    with pytest.raises(checkpoint.ManifestError, match="signature"):  # in range: read on
+        mf.parse(dict(doc, step=big - 1))

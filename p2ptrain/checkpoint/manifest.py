@@ -139,10 +139,14 @@ def _is_hex(value: object, length: int) -> bool:
 
 
 MAX_TERM = 2**52  # the protocol's bound on a term (proto/records.py MAX_EPOCH)
+# steps and sample counts: what the protocol carries exactly (proto/records.py MAX_TERM); a
+# manifest past it was fetched, then advertised as a holding the node's own protocol core
+# refused -- an internal error at every start, the checkpoint kept in fetched/
+MAX_COUNT = 2**53
 
 
-def _is_count(value: object) -> bool:
-    return type(value) is int and 0 <= value < 2**63
+def _is_count(value: object, limit: int = 2**63) -> bool:
+    return type(value) is int and 0 <= value < limit
 
 
 def _entry(name: str, entry: object) -> FileEntry:
@@ -170,10 +174,10 @@ def parse(doc: object) -> Manifest:
         raise ManifestError(f"fields missing or unexpected: {odd}")
     if doc["format"] != FORMAT:
         raise ManifestError(f"not a {FORMAT} manifest")
-    if not all(_is_count(doc[k]) for k in ("step", "term", "swarm_samples")):
-        raise ManifestError("step, term or swarm_samples is not a count")
-    if doc["term"] > MAX_TERM:  # a node resuming it would take a term no peer accepts
-        raise ManifestError(f"term {doc['term']} is beyond the protocol's 2^52")
+    if not all(_is_count(doc[k], MAX_COUNT) for k in ("step", "term", "swarm_samples")):
+        raise ManifestError("step, term or swarm_samples is not a count below 2^53")
+    if doc["term"] >= MAX_TERM:  # a node resuming it leads a term above: no peer accepts it
+        raise ManifestError(f"term {doc['term']} is not below the protocol's 2^52")
     if not (_is_hex(doc["leader"], 32) and _is_hex(doc["leader_key"], 64)
             and _is_hex(doc["signature"], 128)):
         raise ManifestError("leader, key or signature is malformed")
@@ -182,7 +186,8 @@ def parse(doc: object) -> Manifest:
         raise ManifestError("fingerprint or arch is malformed")
     counts = doc["swarm_count"]
     if not isinstance(counts, dict) or len(counts) > 65536 or not all(
-            isinstance(k, str) and len(k) <= 64 and _is_count(v) for k, v in counts.items()):
+            isinstance(k, str) and len(k) <= 64 and _is_count(v, MAX_COUNT)
+            for k, v in counts.items()):
         raise ManifestError("swarm_count is malformed")
     if sum(counts.values()) != doc["swarm_samples"]:
         raise ManifestError("swarm_samples is not the sum of swarm_count")

@@ -17,7 +17,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,7 +192,7 @@ def load_tensors(path: Path, file_name: str, targets: dict[str, np.ndarray]) -> 
 def state_meta(metadata: dict[str, str]) -> dict:
     try:
         meta = json.loads(metadata[STATE_META_KEY])
-    except (KeyError, json.JSONDecodeError, RecursionError):
+    except (KeyError, ValueError, RecursionError):  # ValueError: JSON's, a 4,300-digit number
         raise CheckpointError("state.safetensors carries no resume data") from None
     if not isinstance(meta, dict):
         raise CheckpointError("state.safetensors resume data is not an object")
@@ -206,12 +206,16 @@ class Found:
     skipped: list[str]  # why each newer one was passed over
 
 
-def find_latest(root: Path, fingerprint: str, arch: dict | None = None) -> Found:
-    """The newest checkpoint under `root` that verifies, passing over those that do not;
-    CheckpointMismatch if it belongs to another model (`arch`: this one's, to say whether
-    only the tokenizer differs)."""
+def find_latest(root: Path, fingerprint: str, arch: dict | None = None,
+                passing_over: Collection[Path] = ()) -> Found:
+    """The newest checkpoint under `root` that verifies, passing over those that do not
+    (and those in `passing_over`: found to verify but not to load); CheckpointMismatch if it
+    belongs to another model (`arch`: this one's, to say whether only the tokenizer
+    differs)."""
     skipped = []
     for path in list_checkpoints(root):
+        if path in passing_over:
+            continue
         try:
             manifest = read_manifest(path)
         except CheckpointError as exc:

@@ -101,7 +101,7 @@ def parse_manifest(data: bytes) -> dict:
         raise BaseError(f"manifest of {len(data)} bytes is too large")
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise BaseError(f"manifest is not JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(doc, dict) or set(doc) != {"format", "shape", "dtype", "tokenizer",
                                                   "file"}:

@@ -201,7 +201,7 @@ def read_config(hf_dir: str | os.PathLike) -> dict:
     except FileNotFoundError:
         raise HFFormatError(f"{hf_dir}: no {CONFIG_FILE} (not a Hugging Face model "
                             f"directory)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise HFFormatError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
 
 
@@ -225,8 +225,7 @@ def weight_files(hf_dir: Path) -> dict[str, list[str]]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-                RecursionError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise HFFormatError(f"{index}: unreadable ({exc})") from None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(v, str) and Path(v).name == v for v in weight_map.values()):
@@ -404,7 +403,7 @@ def export_hf(model: RWKV, flat: np.ndarray, out_dir: str | os.PathLike,
     if tokenizer is not None:
         try:
             tok_doc = json.loads(Path(tokenizer).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise HFFormatError(f"tokenizer {tokenizer}: unreadable ({exc})") from None
         if not isinstance(tok_doc, dict) or "model" not in tok_doc:
             raise HFFormatError(f"tokenizer {tokenizer}: not a tokenizers tokenizer.json")
@@ -415,7 +414,7 @@ def export_hf(model: RWKV, flat: np.ndarray, out_dir: str | os.PathLike,
     elif tokenizer_document is not None:
         try:
             tok_doc = json.loads(tokenizer_document)
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:
             raise HFFormatError(f"the checkpoint's tokenizer is unreadable ({exc})") from None
         if not isinstance(tok_doc, dict) or "model" not in tok_doc:
             raise HFFormatError("the checkpoint's tokenizer is not a tokenizers document")
