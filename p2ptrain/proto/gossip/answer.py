@@ -7,17 +7,42 @@ until the step boundary (a step is outstanding and the held store is full), and 
 crosses the exchange this node opened with the same peer and still waits on: each side's
 half step is taken from the two snapshots, so answering both would move each replica all the
 way to the other's -- they would swap and stay as far apart. The node with the smaller id
-declines; the other answers, and both land on the mean. `t` is the GossipTrainer. Pure: no
-I/O, no clock.
+declines; the other answers, and both land on the mean.
+
+And how long a partner whose exchanges end without a half step rests (`strike`): a member
+holding the key that never answers held an honest node's one exchange slot for its give-up
+(90 s and more), and was drawn again at the next due step -- six nodes with one such member
+started 90 exchanges in 400 s instead of 1,985. Each exchange with it that ends without its
+reply (given up, unanswered, the partner gone) rests it as long as the slot was held (5 s
+at least), doubled for each such exchange in a row, up to MAX_REST; an applied one clears
+it. A declined request is no strike: it costs a round trip,
+and a refusal by the distance guard is one (drifted replicas average again once refusals
+have come `distance_patience` times). `t` is the GossipTrainer. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from p2ptrain.proto.gossip.averaging import PeerSnapshot
 from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest, GradientReply
 from p2ptrain.proto.messages import Out
+
+UNANSWERED_REST = 5.0  # s a partner rests after an exchange that ended without a half step
+# s it rests at most: a silent partner's give-up grows to gossip.average_timeout_max (600 s)
+# as its link looks slower each time, so it holds a node's slot a seventh of the time at most
+MAX_REST = 3600.0
+
+
+def strike(t: Any, now: float, peer: str, held: float) -> None:
+    """An exchange of `t` with `peer` ended without its reply after holding the slot `held`
+    s: `peer` rests as long (UNANSWERED_REST at least), twice as long as after the last one
+    in a row -- a silent member holds a node's slot a shrinking share of the time."""
+    n = t.strikes[peer] = min(t.strikes.get(peer, 0) + 1, 64)
+    rest = max(UNANSWERED_REST, held) * 2.0 ** (n - 1)
+    until = max(now + min(rest, MAX_REST), t.resting.get(peer, (0.0, 0.0))[1])
+    t.resting[peer] = (-math.inf, until)
 
 
 def crossing(t: Any, sender: str) -> bool:
@@ -55,9 +80,10 @@ def respond(t: Any, now: float, sender: str, addr: str, body: AverageRequest,
         return
     t.stats["average_answered"] += 1
     cfg = t.config
-    t.resting[sender] = (now, now + t.peers.give_up(
-        sender, sum(len(c) for c in chunks), floor=1e-3, margin=cfg.average_timeout_margin,
-        ceiling=cfg.average_timeout_max))
+    until = now + t.peers.give_up(sender, sum(len(c) for c in chunks), floor=1e-3,
+                                  margin=cfg.average_timeout_margin,
+                                  ceiling=cfg.average_timeout_max)
+    t.resting[sender] = (now, max(until, t.resting.get(sender, (0.0, 0.0))[1]))  # (a strike's)
     t._finish(t.responder, snap, busy)
 
 

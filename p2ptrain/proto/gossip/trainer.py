@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2ptrain.codecs import CodecError, Message
-from p2ptrain.proto.gossip.answer import crossing, respond, serve_latest
+from p2ptrain.proto.gossip.answer import crossing, respond, serve_latest, strike
 from p2ptrain.proto.gossip.averaging import (
     HeldDeltas,
     ParameterAverager,
@@ -84,7 +84,6 @@ if TYPE_CHECKING:
 
 MAX_SEED = 2**53  # exchange seeds stay exact in JSON
 OUTER_STALENESS = 2**62  # outer steps mix every pseudo-gradient that arrived since the last
-UNANSWERED_REST = 5.0  # s a peer whose request went unanswered is no averaging partner
 
 
 class TooFar(CodecError):
@@ -120,8 +119,9 @@ class GossipTrainer:
         # peers that are no partner of ours for now -> (when we answered one of its requests,
         # until when): just averaged with (at least until our next step), our reply perhaps
         # still on its way (answer.py's `respond`), or our last request to it unanswered (for
-        # UNANSWERED_REST s); and when our last step ended
+        # a strike's rest, answer.py); and when our last step ended
         self.resting: dict[str, tuple[float, float]] = {}
+        self.strikes: dict[str, int] = {}  # partner -> exchanges in a row without a half step
         self.boundary = -math.inf
         self.held = HeldDeltas(self.plan, held_capacity(n))  # half steps while busy
         self.reading = False  # the driver reads the learner's buffers: busy even between steps
@@ -226,8 +226,8 @@ class GossipTrainer:
             self.exchange = None
             if parsed is None:
                 self.initiator.abort()
-                self.stats["average_declined"] += 1
-                return
+                self.stats["average_declined"] += 1  # (no strike: a refusal by the distance
+                return  # guard is one, and the patience that ends drift needs those to come)
             received = sum(len(c) for c in body.chunks)
             self.peers.observe_transfer(sender, ex.sent, received, now - ex.started, now)
             self._finish(self.initiator, parsed, busy)
@@ -259,6 +259,7 @@ class GossipTrainer:
             return
         self.distance = report.distance
         self.guard.applied(report.peer.hex(), report.distance)
+        self.strikes.pop(report.peer.hex(), None)
         self.stats["average_applied"] += 1
 
     def read(self, active: bool, stepping: bool) -> list:
@@ -409,13 +410,12 @@ class GossipTrainer:
         ex = self.exchange
         if ex is not None and (ex.peer, ex.seed, ex.part) == (peer, seed, part):
             self._end(now, "average_unanswered", timed_out)
-            until = max(now + UNANSWERED_REST, self.resting.get(peer, (0.0, 0.0))[1])
-            self.resting[peer] = (-math.inf, until)  # gone, restarting or slow: another first
 
     def _end(self, now: float, stat: str, shortfall: bool) -> None:
         ex, self.exchange = self.exchange, None
         self.initiator.abort()
         self.stats[stat] += 1
+        strike(self, now, ex.peer, now - ex.started)  # gone, restarting, slow or silent
         if shortfall:
             self.peers.observe_shortfall(ex.peer, 2 * ex.sent, now - ex.started)
 
@@ -424,6 +424,7 @@ class GossipTrainer:
         self.exchange = None
         self.next_part = None
         self.resting.clear()
+        self.strikes.clear()
         self.held.clear()
         self.initiator.abort()
         self.mixer.clear()
