@@ -34,6 +34,7 @@ class Housekeeping:
         self.save_seconds = 0.0  # how long the last checkpoint write took
         self.saves = 0  # checkpoint writes this run has finished
         self.skip_run = 0  # steps discarded in a row
+        self.last_lead_save = -math.inf  # when this node last wrote one on becoming leader
 
     def eval_due(self, now: float) -> bool:
         return self.eval_every > 0 and now - self.last_eval >= self.eval_every
@@ -45,6 +46,16 @@ class Housekeeping:
         """A periodic checkpoint is due after local step `step`."""
         return bool((self.save_every and now - self.last_save >= self.save_every)
                     or (self.save_every_steps and step % self.save_every_steps == 0))
+
+    def lead_save(self, now: float) -> bool:
+        """Whether a node that has just become leader writes a checkpoint at once (and, if
+        so, that it does): not again within a checkpoint interval -- a member claiming the
+        next term every few seconds made each new leader write its replica every time,
+        its training held meanwhile."""
+        if self.save_every and now - self.last_lead_save < self.save_every:
+            return False
+        self.last_lead_save = now
+        return True
 
     def save_started(self, now: float) -> None:
         self.last_save = now

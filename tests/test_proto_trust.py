@@ -517,3 +517,42 @@ def test_per_member_figures_stay_bounded_as_made_up_members_come_and_go(monkeypa
         assert len(figure) <= 20 + 6 + 4, len(figure)  # the bound, a batch, the real members
     assert node.bytes_gone[0] > 0  # forgotten members' traffic: still in the totals,
     assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in pairwise(totals)), totals  # growing
+
+
+def test_a_member_claiming_the_next_term_every_few_seconds_does_not_stop_checkpoints():
+    """Its own claim at its real rank, one term up, then no heartbeat: every claim unseated
+    the leader, and every new claim after the lapse restarted the checkpoint schedule -- no
+    checkpoint in 120 s at a 20 s interval (6 without it). A node that led keeps its
+    deadline now."""
+    cfg = LOCAL.with_(checkpoint_interval=20.0)
+    counts = []
+    for attack in (False, True):
+        c = Cluster(5, 31, cfg)
+        c.run_until(5.0)
+        attacker = next(j for j in c.up() if not c.control(j).is_leader)
+        me = c.nodes[attacker].info
+        start, changes, last = c.now, 0, c.leaders()
+        while c.now < start + 120.0:
+            if attack:
+                term = max(c.control(j).term for j in c.up() if j != attacker) + 1
+                view = LeaderView(term, me.node_id, me.priority, me.capability, 0)
+                _to_all(c, attacker, Claim(), view=view)
+            for _ in range(50):
+                c.run_for(0.1)
+                changes, last = (changes + 1, c.leaders()) if c.leaders() != last else (
+                    changes, last)
+        counts.append((len([t for t, _, _ in c.checkpoints if t > start]), changes))
+    (calm, calm_changes), (attacked, attacked_changes) = counts
+    assert calm_changes == 0 and calm == 6
+    assert attacked_changes >= 20  # the attack took: the lead changed hands all along
+    assert attacked >= 5, counts
+
+
+def test_a_new_leader_writes_at_once_but_not_again_within_a_checkpoint_interval():
+    from p2ptrain.config import resolve, settings_of
+    from p2ptrain.housekeeping import Housekeeping
+
+    plan = Housekeeping(settings_of(resolve(None, {}, {})), 0.0, 0)  # checkpoints every 120 s
+    assert plan.lead_save(3.0)  # the first lead: a checkpoint of its own at once
+    assert not plan.lead_save(8.0) and not plan.lead_save(122.9)  # led again, and again
+    assert plan.lead_save(123.0)

@@ -230,7 +230,8 @@ class Runtime:
         say_leader(self.reporter, action, self.node_id, self._stopping)
         if action.leader == self.node_id:
             record_term(self.state_dir / TERM_FILE, action.term, self.reporter.warn)
-            self.saver.save(action.term, reason="new leader")
+            if self.plan.lead_save(self.now()):
+                self.saver.save(action.term, reason="new leader")
 
     def _make_node(self, joined: bool = False) -> Node:
         seed = int.from_bytes(hashlib.sha256(
@@ -292,9 +293,8 @@ class Runtime:
     def _setup(self, reporter: Reporter) -> None:
         """Everything but sockets: the learner, the schedule, the saver, the credentials."""
         ready = prepare(self.settings, reporter, alone=False)
-        self.identity, self.learner, self.ckroot, self.hw = (ready.identity, ready.learner,
-                                                             ready.ckroot, ready.hw)
-        self.resumed_term = ready.term
+        self.identity, self.learner, self.ckroot, self.hw, self.resumed_term = (
+            ready.identity, ready.learner, ready.ckroot, ready.hw, ready.term)
         self.plan = Housekeeping(self.settings, 0.0, self.learner.step)
         self.reach = Reachability(3 * self.settings.proto().sync_interval)
         self.step_pool = ThreadPoolExecutor(1, thread_name_prefix="p2ptrain-step")

@@ -29,7 +29,11 @@
   its record describes it (Control); the leader's own newer heartbeats renew its lease
   whatever seq relays carried, so a relay of a made-up later heartbeat cannot make followers
   deaf to the real ones. A Yield moves the leader up by at most a step; moving up keeps the
-  checkpoint schedule (repeated Yields must not postpone every checkpoint).
+  checkpoint schedule (repeated Yields must not postpone every checkpoint), and so does
+  leading again: a member holding the key that claimed the next term every few seconds and
+  never sent a heartbeat unseated the leader each time, and each new claim restarted the
+  schedule -- no checkpoint at all. A node that led before keeps its deadline (passed: it
+  writes once it leads again), whoever led meanwhile.
 - The leader decides checkpoints: every `checkpoint_interval` seconds (or
   `checkpoint_samples` swarm samples), only for a step above its last one in the term, so
   two checkpoints never share (term, leader, step).
@@ -79,6 +83,7 @@ class Election:
         self.swarm_samples = 0
         self.finished = False
         self.next_checkpoint = 0.0
+        self.led = False  # whether this node has led: its schedule then outlives the lead
         self.last_checkpoint_step = -1
         self.last_checkpoint_swarm = 0
 
@@ -252,10 +257,10 @@ class Election:
         self.view = LeaderView(term, me.node_id, me.priority, me.capability, 0)
         self.claim_at, self.yield_to, self.lapse_reported = None, None, False
         self.next_heartbeat = now + self.config.heartbeat_interval
-        if not self.leading:  # moving up keeps the schedule (see the module docstring)
-            self.next_checkpoint = now + self.config.checkpoint_interval
-            self.last_checkpoint_swarm = self.swarm_samples
-        self.leading = True
+        if not self.leading and not self.led:  # moving up keeps the schedule (see the
+            self.next_checkpoint = now + self.config.checkpoint_interval  # module docstring),
+            self.last_checkpoint_swarm = self.swarm_samples  # and so does leading again
+        self.leading = self.led = True
         self.last_checkpoint_step = -1  # a new term: (term, step) stays unique
         msgs.append(ToAll(Claim()))
         actions.append(LeaderChanged(term, me.node_id))
