@@ -139,6 +139,7 @@ def write_safetensors(
                 f.write(piece)
                 hasher.update(piece)
             written += len(data)
+            data = piece = None  # (a made tensor goes before the next is made: one at a time)
             if progress:
                 progress(written, total)
         f.flush()

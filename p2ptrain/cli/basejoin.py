@@ -37,7 +37,7 @@ def fetch_missing_base(settings, swarm, peers: list[str], timeout: float, mdns: 
     from p2ptrain.cli.peers import candidates, get_json, throwaway_signer
     from p2ptrain.lora.setup import bases_root
     from p2ptrain.net.basefetch import fetch_base
-    from p2ptrain.net.fetch import FetchError
+    from p2ptrain.net.fetch import MAX_SOURCES, FetchError
     from p2ptrain.net.fetchprogress import FetchProgress
     from p2ptrain.net.neterrors import explain
 
@@ -57,7 +57,9 @@ def fetch_missing_base(settings, swarm, peers: list[str], timeout: float, mdns: 
                 sources = [addr]
                 try:
                     doc = await get_json(session, f"http://{addr}/v1/status")
-                    sources += [m["addr"] for m in doc.get("members", [])
+                    members = doc.get("members")  # (anything may answer: checked)
+                    rows = members[:MAX_SOURCES] if isinstance(members, list) else []
+                    sources += [m["addr"] for m in rows
                                 if isinstance(m, dict) and isinstance(m.get("addr"), str)
                                 and m.get("state") == "alive" and not m.get("outbound_only")]
                 except UserError as exc:

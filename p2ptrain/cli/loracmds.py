@@ -14,6 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
+MERGE_ROWS = 1024  # rows of a matrix a merge adds its adapters' product to at a time
 BASE_HELP = ("a LoRA checkpoint's base: its base directory, or a directory of bases (default: "
              "<state dir>/bases beside the checkpoint, then ~/.p2ptrain/bases)")
 
@@ -39,6 +40,7 @@ def add_merge_parser(ckpt_sub) -> None:
 def model_of_checkpoint(path: Path, manifest, base: str | None):
     """The model of checkpoint `path`; a LoRA one on its base (UserError: where it looked)."""
     from p2ptrain.errors import UserError
+    from p2ptrain.fsutil import describe_os_error
     from p2ptrain.lora.basefile import BaseError
     from p2ptrain.lora.setup import BaseMissing, bases_root, model_of_arch
 
@@ -56,6 +58,8 @@ def model_of_checkpoint(path: Path, manifest, base: str | None):
                         f"in {', '.join(str(r) for r in roots)}; pass --base DIR") from None
     except (BaseError, ValueError) as exc:
         raise UserError(f"{path.name}: {exc}") from None
+    except OSError as exc:  # the base's file unreadable (a failing card)
+        raise UserError(f"{path.name}: its base: {describe_os_error(exc)}") from None
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -88,10 +92,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
     def merged(name: str):
         def make():
             w = model.base.widened(name)
-            if name in model.adapted:
-                w += model.scale * (ap[name + ".lora_a"] @ ap[name + ".lora_b"])
-                if not np.isfinite(w).all():
-                    raise UserError(f"merging {name} overflows float32")
+            if name in model.adapted:  # by rows: no product the size of w beside it
+                a, b = model.scale * ap[name + ".lora_a"], ap[name + ".lora_b"]
+                for lo in range(0, w.shape[0], MERGE_ROWS):
+                    rows = w[lo:lo + MERGE_ROWS]
+                    rows += a[lo:lo + MERGE_ROWS] @ b
+                    if not np.isfinite(rows).all():
+                        raise UserError(f"merging {name} overflows float32")
             return w
         return make
 

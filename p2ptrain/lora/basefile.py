@@ -195,7 +195,8 @@ def write_base(model: RWKV, tensors: dict[str, np.ndarray], out_root: str | os.P
                tokenizer_id: str = "bytes") -> Base:
     """Write a base of `model` from its float32 tensors (name -> array, e.g. views of a flat
     buffer or of a mapped checkpoint) into out_root/<id>; the existing one is kept when that
-    base is already there. Atomic: a temporary directory, fsynced, renamed."""
+    base is already there (a damaged one is replaced). Atomic: a temporary directory,
+    fsynced, renamed."""
     if dtype not in DTYPES:
         raise BaseError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     name = DTYPES[dtype]
@@ -222,15 +223,28 @@ def write_base(model: RWKV, tensors: dict[str, np.ndarray], out_root: str | os.P
         atomic_write_bytes(tmp / MANIFEST, json.dumps(doc, indent=1).encode())
         fsync_dir(tmp)
         final = out_root / base_id(doc)
-        if final.exists():
+        if intact(final):
             shutil.rmtree(tmp)
-        else:
+        else:  # none there, or one damaged since: this one takes its place
+            aside = out_root / f".tmp-damaged-{os.getpid()}"
+            if final.exists():
+                os.rename(final, aside)
             os.rename(tmp, final)
             fsync_dir(out_root)
+            shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return read_base(final)
+
+
+def intact(path: Path) -> bool:
+    """Whether directory `path` holds a base whose every chunk checks."""
+    try:
+        verify_base(read_base(path))
+    except (BaseError, OSError):
+        return False
+    return True
 
 
 def is_base_dir(path: Path) -> bool:

@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from p2ptrain.fsutil import atomic_write_bytes
+from p2ptrain.fsutil import atomic_write_bytes, describe_os_error
 from p2ptrain.lora.basefile import Base, BaseError, is_base_dir, make_base, read_base, verify_base
 from p2ptrain.models.lora import LoRAConfig, LoRARWKV
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
@@ -63,18 +63,35 @@ def resolve_base(source: str, state_dir: str | os.PathLike, dtype: str = "bf16",
         raise BaseError("train.mode is lora but no base is given: set lora.base (--base) or "
                         "model.init_from")
     root = bases_root(state_dir)
-    if is_base_id(source):
-        base = find_base(source, [root])
-    else:
+    try:
+        if is_base_id(source):
+            return _checked(find_base(source, [root]), progress)
         src = Path(source).expanduser()
         if not src.exists():
             raise BaseError(f"base {source} does not exist (and is not a 16-hex base id)")
         base = _made_before(root, src, dtype)
-        if base is None:
-            base = make_base(src, root, dtype)
-            if not is_base_dir(src):
-                _remember(root, src, dtype, base.id)
-    verify_base(base, progress)
+        if base is not None:
+            try:
+                verify_base(base, progress)
+                return base
+            except BaseError:  # damaged since it was made: made anew from its source
+                base = None
+        base = make_base(src, root, dtype)
+        if not is_base_dir(src):
+            _remember(root, src, dtype, base.id)
+        return _checked(base, progress)
+    except OSError as exc:  # a full disk while making it, a failing card while checking it
+        raise BaseError(describe_os_error(exc)) from None
+
+
+def _checked(base: Base, progress) -> Base:
+    """`base`, every chunk checked; a damaged one is named with what to do."""
+    try:
+        verify_base(base, progress)
+    except BaseError as exc:
+        raise BaseError(f"{exc}: remove {base.path} (a node given a token fetches it again "
+                        f"from the swarm; a base made from a checkpoint or download is made "
+                        f"anew)") from None
     return base
 
 

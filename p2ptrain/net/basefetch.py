@@ -32,12 +32,13 @@ from pathlib import Path
 import aiohttp
 import xxhash
 
-from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
+from p2ptrain.fsutil import atomic_write_bytes, describe_os_error, fsync_dir
 from p2ptrain.lora.basefile import (
     BASE_FILE,
     MANIFEST,
     Base,
     BaseError,
+    intact,
     parse_manifest,
     read_base,
 )
@@ -48,6 +49,7 @@ from p2ptrain.net.fetch import (
     BACKOFF_MAX,
     IN_FLIGHT,
     MAX_IN_FLIGHT,
+    MAX_SOURCES,
     REFRESH,
     SOURCE_FAILURES,
     FetchError,
@@ -100,10 +102,19 @@ async def _manifest(sources: list[Source], base_id: str) -> bytes:
 async def fetch_base(session: aiohttp.ClientSession, addrs: list[str], signer: Signer,
                      base_id: str, out_root: Path, timeout: float = 30.0,
                      progress: Callable[[int, int, int], None] | None = None) -> Base:
-    """Fetch base `base_id` from the nodes at `addrs` into out_root/<id> (see the module
-    docstring); FetchError says why not."""
-    sources = [Source(a) for a in dict.fromkeys(addrs)]
+    """Fetch base `base_id` from the nodes at `addrs` (MAX_SOURCES of them at most: the list
+    comes from a status document anything may have written) into out_root/<id> (see the
+    module docstring); FetchError says why not, a full disk too."""
+    sources = [Source(a) for a in list(dict.fromkeys(addrs))[:MAX_SOURCES]]
     await asyncio.gather(*(_connect(session, s, signer, timeout) for s in sources))
+    try:
+        return await _fetch(sources, base_id, out_root, progress)
+    except OSError as exc:
+        raise FetchError(f"base {base_id} into {out_root}: {describe_os_error(exc)}") from None
+
+
+async def _fetch(sources: list[Source], base_id: str, out_root: Path,
+                 progress: Callable[[int, int, int], None] | None) -> Base:
     data = await _manifest(sources, base_id)
     doc = parse_manifest(data)
     size, chunk = doc["file"]["size"], doc["file"]["chunk_size"]
@@ -130,12 +141,20 @@ async def fetch_base(session: aiohttp.ClientSession, addrs: list[str], signer: S
     atomic_write_bytes(tmp / MANIFEST, data)
     fsync_dir(tmp)
     final = out_root / base_id
-    if final.exists():
+    if intact(final):
         shutil.rmtree(tmp)
-    else:
+    else:  # none there, or one damaged since: this one takes its place
+        aside = out_root / f"{PARTIAL_PREFIX}damaged-{base_id}"
+        shutil.rmtree(aside, ignore_errors=True)
+        if final.exists():
+            os.rename(final, aside)
         os.rename(tmp, final)
         fsync_dir(out_root)
-    base = read_base(final)
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        base = read_base(final)
+    except BaseError as exc:
+        raise FetchError(str(exc)) from None
     if base.id != base_id:  # a directory of that name was there already, and differs
         raise FetchError(f"{final} does not hold base {base_id}")
     return base
