@@ -4,6 +4,7 @@ bounded step; the swarm carries on after each attack. In-memory cluster, virtual
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -20,7 +21,7 @@ from p2ptrain.proto.messages import (
     SyncRequest,
     Yield,
 )
-from p2ptrain.proto.records import LEFT, LeaderView, Update
+from p2ptrain.proto.records import HEARD, LEFT, LeaderView, Update
 from tests.cluster.harness import Cluster
 
 HUGE = 2**52
@@ -556,3 +557,25 @@ def test_a_new_leader_writes_at_once_but_not_again_within_a_checkpoint_interval(
     assert plan.lead_save(3.0)  # the first lead: a checkpoint of its own at once
     assert not plan.lead_save(8.0) and not plan.lead_save(122.9)  # led again, and again
     assert plan.lead_save(123.0)
+
+
+def test_a_relayed_beat_of_2_53_does_not_silence_a_live_outbound_only_member():
+    """Beats counted only above the highest heard, the member's own messages too: after one
+    relay of 2^53 nothing refreshed it, it was suspected every few seconds and moved up an
+    incarnation each time (15 in 60 s), the attacker repeating after each."""
+    c = Cluster(5, 31, outbound_only=[4])
+    c.run_until(8.0)
+    x, attacker, honest = c.nodes[4].info.node_id, 1, (0, 2, 3)
+    states, sent = Counter(), 0
+    for _ in range(600):
+        inc = c.control(attacker).member(x)[1]
+        if any(c.control(j).membership.table.members[x].beat < 2**53 for j in honest):
+            reporter = c.nodes[attacker].info.node_id
+            _to_all(c, attacker, Notify(), updates=(Update(HEARD, x, inc, reporter, beat=2**53),))
+            sent += 1
+        c.run_for(0.1)
+        states.update(c.control(j).member(x)[0] for j in honest)
+    assert sent >= 1 and all(c.control(j).membership.table.members[x].beat == 2**53
+                             for j in honest)  # the relay was taken ...
+    assert states == Counter({"alive": 1800}), states  # ... and the member never suspected
+    assert c.control(4).incarnation == 1

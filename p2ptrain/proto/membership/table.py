@@ -8,7 +8,8 @@ Rules (SWIM with Lifeguard's suspicion, as memberlist):
 - dead(i)/left(i) replace alive/suspect(<=i) and are final for that incarnation.
 - anything said about this node at its own incarnation or above is refuted: the node moves to
   a higher incarnation and gossips alive (a refuted suspicion wins).
-- heard(beat) refreshes an outbound-only member, which nobody can probe.
+- heard(beat) refreshes an outbound-only member, which nobody can probe: a beat above the
+  one of its own last message here (a relay of a made-up higher beat stops nothing).
 - a member whose configuration fingerprint differs is never added: it is refused, with the
   differing keys named; nor is a new member while the table holds MAX_MEMBERS (dead ones
   are forgotten after `dead_retention`, making room).
@@ -57,6 +58,7 @@ class Member:
     since: float  # when the state last changed
     suspicion: Suspicion | None = None
     beat: int = 0  # newest liveness counter heard (outbound-only members)
+    told: int = 0  # the counter of its own last message to this node
     heard_at: float = 0.0  # when that counter (or a new incarnation) was heard
     entry: Update | None = None  # cached listing entry; None after any change
 
@@ -148,7 +150,8 @@ class MemberTable:
         """A message came straight from `node_id`: gossip its beat if it is outbound-only."""
         m = self.members.get(node_id)
         if m is not None and m.info.outbound_only:
-            self._heard(Update(HEARD, node_id, incarnation, self.me.node_id, beat=beat), now)
+            self._heard(Update(HEARD, node_id, incarnation, self.me.node_id, beat=beat), now,
+                        direct=True)
 
     def _about_me(self, u: Update, now: float) -> None:
         if self.leaving or u.kind == HEARD:
@@ -188,7 +191,7 @@ class MemberTable:
         else:
             was_live = m.live
             m.info, m.incarnation, m.suspicion, m.entry = info, u.incarnation, None, None
-            m.beat, m.heard_at = 0, now
+            m.beat, m.told, m.heard_at = 0, 0, now
             if m.state != ALIVE:
                 m.state, m.since = ALIVE, now
             if not was_live:
@@ -232,12 +235,24 @@ class MemberTable:
         out.append(MemberDown(u.node_id, u.incarnation, left=u.kind == LEFT))
         self._gossip(u)
 
-    def _heard(self, u: Update, now: float) -> None:
+    def _heard(self, u: Update, now: float, direct: bool = False) -> None:
+        """A beat of an outbound-only member, from itself (`direct`) or relayed. It lives if
+        the beat is above what it last told us itself (`told`), not only above the highest
+        relayed (`beat`, what is gossiped on): a member relaying a beat of 2^53 made every
+        later one look old, the member's own messages too, and it was suspected while it
+        spoke to us. Its own message says its count (a relayed one more than that is news
+        again), and one in its name with a made-up count is undone by its next."""
         m = self.members.get(u.node_id)
-        if m is None or not m.live or u.incarnation != m.incarnation or u.beat <= m.beat:
+        if m is None or not m.live or u.incarnation != m.incarnation:
             return
-        m.beat, m.heard_at = u.beat, now
-        self.queue.push((HEARD, u.node_id), u, self.config.retransmit_limit(self.live_count))
+        news = u.beat > m.told  # (from itself: gossiped on even under a made-up higher beat)
+        if direct:
+            m.told = u.beat
+        if direct or news:
+            m.heard_at = now
+        if u.beat > m.beat or (direct and news):
+            m.beat = max(m.beat, u.beat)
+            self.queue.push((HEARD, u.node_id), u, self.config.retransmit_limit(self.live_count))
 
     def _gossip(self, u: Update) -> None:
         self.queue.push(u.node_id, u, self.config.retransmit_limit(self.live_count))
