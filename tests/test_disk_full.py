@@ -147,3 +147,31 @@ def test_the_alone_loop_on_a_full_disk_keeps_training(tmp_path, small_disk):
     # all 40 steps trained, none saved: the exit says so, not 0
     assert r.returncode == 1, r.stderr[-3000:]
     assert '"event": "final_checkpoint_lost"' in lines[-1] and "start" in lines[-1], lines[-1]
+
+
+def test_a_disk_that_holds_keep_checkpoints_but_not_one_more_still_takes_the_next(small_disk):
+    """The write prunes only after it succeeded: with `keep` checkpoints there and room for
+    no more, every write failed for the rest of the run. The oldest, which the write would
+    prune anyway, goes first now; with fewer than `keep` there nothing is given up."""
+    import numpy as np
+
+    from p2ptrain.params import ParamSpace
+
+    space = ParamSpace([("w", (180_000,))])  # 0.7 MB of weights, as much of moments
+    params = np.random.default_rng(0).normal(size=space.size).astype(np.float32)
+    ident = load_or_create(small_disk / "state")
+    root = small_disk / "state" / "checkpoints"
+
+    def snap(step):
+        return checkpoint.Snapshot(step=step, term=0, swarm_count={"n": step}, fingerprint="fp",
+                                   arch={"model": "test"}, model_tensors=[("w", params)],
+                                   state_tensors=[("adam.m", params)], state_meta={"step": step})
+
+    for step in (1, 2):
+        checkpoint.save(root, snap(step), ident, keep=2)
+    with pytest.raises(OSError):  # keep 3: the two there are kept, no room for a third
+        checkpoint.save(root, snap(3), ident, keep=3)
+    assert [p.name[-2:] for p in checkpoint.list_checkpoints(root)] == ["02", "01"]
+    checkpoint.save(root, snap(3), ident, keep=2)  # keep 2: the oldest goes first
+    assert [p.name[-2:] for p in checkpoint.list_checkpoints(root)] == ["03", "02"]
+    assert checkpoint.find_latest(root, "fp").manifest.step == 3

@@ -13,6 +13,7 @@ each file's size and every chunk hash are checked before a byte is loaded.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -118,7 +119,26 @@ def save(
 
     `progress(file_name, bytes_written, total)` is called while the weight file is written.
     OSError (e.g. a full disk) leaves nothing behind and names `root` when the system did not
-    name a file."""
+    name a file. A disk too full for one more while `keep` are there first loses the oldest
+    of them, which the write would prune anyway, and tries once more: a disk that held
+    `keep` checkpoints but not one more never took another."""
+    try:
+        return _save(root, snap, identity, keep, progress, pinned)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or keep < 1:
+            raise
+        final = checkpoint_name(snap.term, snap.step)
+        held = [p for p in list_checkpoints(root) if p.name != final]
+        spare = [p for p in held[keep - 1:] if pinned is None or not pinned(p.name)]
+        if not spare:
+            raise
+        shutil.rmtree(spare[-1], ignore_errors=True)  # the oldest
+        return _save(root, snap, identity, keep, progress, pinned)
+
+
+def _save(root: Path, snap: Snapshot, identity: Identity, keep: int,
+          progress: Callable[[str, int, int], None] | None,
+          pinned: Callable[[str], bool] | None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(snap.term, snap.step)
     tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
