@@ -168,6 +168,20 @@ def test_a_crash_while_one_checkpoint_replaces_another_of_its_name_loses_neither
     assert checkpoint.find_latest(root, "fp1").path == first
 
 
+def test_a_checkpoint_a_fetch_set_aside_before_a_crash_is_put_back_too(setup):
+    """`checkpoint fetch --out <state>/checkpoints` replacing a checkpoint of the same id sets
+    the old one aside as .old-<name>-<pid>; a crash before the new one took its place left
+    that name, which the next start took for a stale temporary and deleted."""
+    import os
+
+    space, params, ident, root = setup
+    first = checkpoint.save(root, make_snapshot(space, params, 4), ident, keep=1)
+    aside = root / f"{checkpoint.store.OLD_PREFIX}{first.name}-{os.getpid()}"
+    os.rename(first, aside)
+    assert checkpoint.stale_temporaries(root) == [] and first.exists()
+    assert checkpoint.find_latest(root, "fp1").path == first
+
+
 def test_checkpoint_fetch_says_how_far_the_fetched_checkpoint_trained(setup):
     """`checkpoint fetch` names the step and samples it got, and warns when that is nothing:
     a leader's first checkpoint can be of the starting weights."""

@@ -89,8 +89,8 @@ def stale_temporaries(root: Path) -> list[Path]:
     checkpoint set aside for a replacement that a crash kept from its place."""
     if not root.is_dir():
         return []
-    for p in root.iterdir():
-        name = p.name[len(OLD_PREFIX):]
+    for p in root.iterdir():  # (a fetch's finish sets aside as <name>-<pid>: net/partial.py)
+        name = re.sub(r"-\d+$", "", p.name[len(OLD_PREFIX):])
         if (p.name.startswith(OLD_PREFIX) and NAME_RE.fullmatch(name)
                 and not (root / name).exists()):
             os.rename(p, root / name)
