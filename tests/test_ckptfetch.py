@@ -464,3 +464,25 @@ def test_verification_is_cached_until_the_manifest_changes(leader, monkeypatch):
     save_checkpoint(leader.ckroot, leader.ident, seed=1)  # the same (term, step) rewritten
     assert shelf.latest().id == leader.ckid
     assert calls == [leader.ckid, leader.ckid]
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_a_byte_of_it_is_fetched(leader,
+                                                                                   tmp_path):
+    """The joiner compared the fingerprint after fetching the whole checkpoint -- as much as
+    a manifest may declare -- then kept it in fetched/ and served it to others."""
+    from p2ptrain.net.fetch import NoCheckpoint, fetch_checkpoint
+
+    async def run(fingerprint):
+        async with serving(make_app(leader)) as base, aiohttp.ClientSession() as session:
+            return await fetch_checkpoint(
+                session, [base.removeprefix("http://")], Signer(KEY, CLIENT_ID,
+                                                                next(INCARNATIONS)),
+                tmp_path / "out", expected_leader=leader.ident.node_id,
+                fingerprint=fingerprint)
+
+    with pytest.raises(NoCheckpoint, match="another model"):
+        asyncio.run(run("another"))
+    assert leader.counts["chunks"] == 0
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert asyncio.run(run("fp")).path.is_dir()  # its own model's: fetched as before
+    assert leader.counts["chunks"] > 0

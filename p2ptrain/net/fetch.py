@@ -58,6 +58,7 @@ import xxhash
 from yarl import URL
 
 from p2ptrain.checkpoint import manifest as mf
+from p2ptrain.checkpoint.store import describe_arch
 from p2ptrain.net.auth import AuthError, Receiver, RequestId, Signer
 from p2ptrain.net.hello import HelloError, hello
 from p2ptrain.net.neterrors import explain
@@ -623,12 +624,15 @@ async def fetch_checkpoint(session: aiohttp.ClientSession, sources: list[str], s
                            more_sources: Callable[[str], Iterable[str]] | None = None,
                            shelf: Shelf | None = None, chunk_retries: int = 8,
                            timeout: float = 60, seed: int | None = None,
-                           prefer: str | None = None) -> Fetched:
+                           prefer: str | None = None, fingerprint: str | None = None
+                           ) -> Fetched:
     """Fetch the newest checkpoint of `expected_leader` (None: whatever sources[0] serves)
     from `sources` (addresses, the leader's first) into `out_root`; see the module docstring.
     `prefer`: a checkpoint name to ask the leader for first (the one other fetchers are on);
     if it does not hold it, the newest. `progress(bytes_done, bytes_total, sources_in_use)`
-    is called as chunks arrive."""
+    is called as chunks arrive. `fingerprint`: the model's, which the manifest must name
+    (NoCheckpoint before a byte of it is fetched: a joiner fetched a checkpoint of another
+    model whole -- up to 2 x 256 GiB a manifest may declare -- before judging it)."""
     if not sources:
         raise FetchError("no source to fetch a checkpoint from")
     if not set(files) <= set(mf.DATA_FILES) or mf.MODEL_FILE not in files:
@@ -638,7 +642,7 @@ async def fetch_checkpoint(session: aiohttp.ClientSession, sources: list[str], s
     try:
         return await _fetch(session, list(dict.fromkeys(sources))[:MAX_SOURCES], signer,
                             out_root, expected_leader, files, progress, more_sources, shelf,
-                            chunk_retries, timeout, seed, prefer)
+                            chunk_retries, timeout, seed, prefer, fingerprint)
     except (FetchError, PartialError, OSError) as exc:
         where = f"{out_root}: " if isinstance(exc, OSError) else ""
         text = _printable(f"{where}{exc}")  # one line, whatever a peer sent
@@ -702,12 +706,15 @@ async def _manifest(srcs: list[Source], expected: str | None, prefer: str | None
 async def _fetch(session, addrs: list[str], signer: Signer, out_root: Path,
                  expected: str | None, files: tuple[str, ...], progress, more, shelf,
                  retries: int, timeout: float, seed: int | None,
-                 prefer: str | None) -> Fetched:
+                 prefer: str | None, fingerprint: str | None) -> Fetched:
     srcs = [Source(a) for a in addrs]
     await asyncio.gather(*(_connect(session, s, signer, timeout) for s in srcs))
     if len(srcs) == 1 and srcs[0].conn is None:
         raise FetchError(srcs[0].dropped)
     manifest, giver = await _manifest(srcs, expected, prefer)
+    if fingerprint is not None and manifest.fingerprint != fingerprint:
+        raise NoCheckpoint(f"{manifest.id} is a checkpoint of another model "
+                           f"({_printable(describe_arch(manifest))[:200]})")
     out_root.mkdir(parents=True, exist_ok=True)
     final, partial = out_root / manifest.id, out_root / f"{PARTIAL_PREFIX}{manifest.id}"
     if await asyncio.to_thread(existing, final, manifest, files):

@@ -113,7 +113,8 @@ class JoinFetcher:
                                  more_sources=lambda digest: self.holders(action.leader,
                                                                           digest),
                                  prefer=None if action.prefer is None
-                                 else checkpoint_name(*action.prefer)),
+                                 else checkpoint_name(*action.prefer),
+                                 fingerprint=self.fingerprint),
                 FETCH_DEADLINE)
         except NoCheckpoint as exc:
             return CheckpointFetched(None, reason=str(exc), retry=False)
