@@ -579,3 +579,33 @@ def test_a_relayed_beat_of_2_53_does_not_silence_a_live_outbound_only_member():
                              for j in honest)  # the relay was taken ...
     assert states == Counter({"alive": 1800}), states  # ... and the member never suspected
     assert c.control(4).incarnation == 1
+
+
+def test_a_member_claiming_a_huge_live_count_takes_at_most_every_other_sync():
+    """A header's live count above the node's own makes the sender the next sync's partner
+    (it knows members we do not): claimed in every header, it took every sync -- SWIM's
+    random anti-entropy exchanges stopped for as long as it kept claiming."""
+    from p2ptrain.proto.events import Send
+    from p2ptrain.proto.messages import SyncRequest
+    from tests.cluster.harness import Observer
+
+    class Syncs(Observer):
+        def __init__(self):
+            self.to: list[str | None] = []
+
+        def on_actions(self, cluster, i, event, actions):
+            if i == 0:
+                self.to += [a.to for a in actions if type(a) is Send
+                            and type(a.envelope.body) is SyncRequest]
+
+    c = Cluster(5, 31)
+    c.run_until(8.0)
+    syncs, attacker = Syncs(), c.nodes[1].info.node_id
+    c.observe(syncs)
+    for _ in range(600):
+        header = _header(c, 1)
+        c.inject(0, Envelope(replace(header, live=2**53), Notify()), c.nodes[1].info.addr)
+        c.run_for(0.1)
+    others = [to for to in syncs.to if to != attacker]  # every other sync is a random one
+    assert len(syncs.to) >= 8 and 4 * len(others) >= len(syncs.to), syncs.to  # (0 before)
+    assert len(set(others)) >= 2, others  # (and a random one may draw the attacker)

@@ -72,6 +72,9 @@ class Membership:
         self.next_reconnect = now + config.reconnect_interval * (0.5 + 0.5 * rng.random())
         self.next_join: float | None = None
         self.pull_from: tuple[str, str] | None = None  # a member that knows more than we do
+        # whom the last sync pulled from on such a hint: its next hint waits a sync (a
+        # member whose every header claimed 2^53 members took every sync, random ones none)
+        self.pulled: str | None = None
         self.table.announce()
 
     @property
@@ -106,8 +109,10 @@ class Membership:
             m = table.members.get(pull[0]) if pull is not None else None
             if m is not None and m.live and not m.info.outbound_only:
                 self._sync(m.info.node_id, m.info.addr, msgs)
+                self.pulled = m.info.node_id
             else:
                 self._sync_random(msgs, lambda m: m.state == ALIVE)
+                self.pulled = None
         if now >= self.next_reconnect:
             self.next_reconnect = now + cfg.reconnect_interval
             self._reconnect(msgs)
@@ -204,7 +209,7 @@ class Membership:
             self.samples.merge(self.admit_samples({sender: header.samples}, now))
         for update in header.updates:
             table.apply(update, now, actions)
-        if header.live > table.live_count and self.pull_from is None:
+        if header.live > table.live_count and self.pull_from is None and sender != self.pulled:
             # The sender knows members we do not: pull its list next period.
             self.pull_from = (sender, header.addr)
             self.next_sync = min(self.next_sync, now + self.config.probe_interval)
