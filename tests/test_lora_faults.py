@@ -154,3 +154,15 @@ def test_a_merge_holds_about_one_tensor_at_a_time(tmp_path):
     # one tensor and ~18 MiB of fixed buffers (the base's check reads 8 MiB pieces): 34 MiB
     # for a 16 MiB matrix; 54 MiB before
     assert peak < 2.5 * largest, (peak / 2**20, largest / 2**20)
+
+
+def test_a_base_directory_given_by_path_is_found_by_id_afterwards(tmp_path, capsys):
+    """The README says the base is in <state-dir>/bases/<id>: one given as a directory
+    elsewhere was used there and not found afterwards -- `sample` of the run's checkpoints
+    and a restart with `--base <id>` both failed ('not in .../bases')."""
+    made = base_from_init(TINY, 0, tmp_path / "elsewhere")
+    assert _join(tmp_path, made.path) == 0
+    assert (tmp_path / "s" / "bases" / made.id).resolve() == made.path.resolve()
+    assert _join(tmp_path, made.id) == 0  # a restart by id
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(tmp_path / "s"), "--length", "4"]) == 0

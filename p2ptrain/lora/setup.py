@@ -79,9 +79,26 @@ def resolve_base(source: str, state_dir: str | os.PathLike, dtype: str = "bf16",
         base = make_base(src, root, dtype)
         if not is_base_dir(src):
             _remember(root, src, dtype, base.id)
+        else:
+            _link(root, base)
         return _checked(base, progress)
     except OSError as exc:  # a full disk while making it, a failing card while checking it
         raise BaseError(describe_os_error(exc)) from None
+
+
+def _link(root: Path, base: Base) -> None:
+    """A base directory given by path is used where it lies, and linked as
+    <state-dir>/bases/<id>: where `sample`, `export` and a restart by id look for it."""
+    where = root / base.id
+    if where.exists():
+        return
+    try:
+        if where.is_symlink():  # to where the base was before it moved
+            where.unlink()
+        root.mkdir(parents=True, exist_ok=True)
+        where.symlink_to(base.path.resolve(), target_is_directory=True)
+    except OSError:  # (a file system without links: it is found by --base, as before)
+        pass
 
 
 def _checked(base: Base, progress) -> Base:
