@@ -16,6 +16,7 @@ from p2ptrain.learner import DIVERGED_HINT
 from p2ptrain.settings import Settings
 
 DIVERGED_SKIPS = 20  # steps discarded in a row (non-finite loss or gradient): diverged
+LEAD_SAVE_GAP = 120.0  # s between a new leader's own writes when timed checkpoints are off
 
 
 class Housekeeping:
@@ -52,7 +53,7 @@ class Housekeeping:
         so, that it does): not again within a checkpoint interval -- a member claiming the
         next term every few seconds made each new leader write its replica every time,
         its training held meanwhile."""
-        if self.save_every and now - self.last_lead_save < self.save_every:
+        if now - self.last_lead_save < (self.save_every or LEAD_SAVE_GAP):
             return False
         self.last_lead_save = now
         return True

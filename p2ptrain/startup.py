@@ -20,6 +20,7 @@ from typing import Any
 
 from p2ptrain import checkpoint
 from p2ptrain.calibration import calibrate
+from p2ptrain.checkpoint.manifest import MAX_TERM
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.data.tokens import TOKENIZER_FILE, sha256_file
 from p2ptrain.errors import UserError
@@ -145,7 +146,8 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
     elif hf_dir is not None:
         initialize_from_hf(learner, hf_dir)
         reporter.info(f"weights from {hf_dir}", event="init_from", path=str(hf_dir))
-    term = found.manifest.term if found.manifest is not None else 0
+    # (a node leads one term above: at most 2^52, what its manifests and peers take)
+    term = min(found.manifest.term, MAX_TERM - 1) if found.manifest is not None else 0
     return Prepared(identity, learner, ckroot, hw, term)
 
 

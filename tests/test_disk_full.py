@@ -175,3 +175,8 @@ def test_a_disk_that_holds_keep_checkpoints_but_not_one_more_still_takes_the_nex
     checkpoint.save(root, snap(3), ident, keep=2)  # keep 2: the oldest goes first
     assert [p.name[-2:] for p in checkpoint.list_checkpoints(root)] == ["03", "02"]
     assert checkpoint.find_latest(root, "fp").manifest.step == 3
+    shutil.rmtree(checkpoint.list_checkpoints(root)[1])
+    fill(small_disk)  # one checkpoint there, keep 1, no room: the newest never goes (a review)
+    with pytest.raises(OSError):
+        checkpoint.save(root, snap(4), ident, keep=1)
+    assert [p.name[-2:] for p in checkpoint.list_checkpoints(root)] == ["03"]

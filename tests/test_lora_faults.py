@@ -166,3 +166,20 @@ def test_a_base_directory_given_by_path_is_found_by_id_afterwards(tmp_path, caps
     assert _join(tmp_path, made.id) == 0  # a restart by id
     capsys.readouterr()
     assert main(["sample", "--checkpoint", str(tmp_path / "s"), "--length", "4"]) == 0
+
+
+def test_the_base_fetch_takes_the_holders_a_status_lists_after_its_other_rows():
+    """The cap applied to the rows, before the dead and outbound-only ones were dropped:
+    a status listing 32 of those first gave the fetch no holder but the node asked."""
+    from p2ptrain.cli.basejoin import MAX_ROWS, holders
+
+    rows = ([{"addr": f"10.0.0.{i}:7100", "state": "alive", "outbound_only": True}
+             for i in range(20)]
+            + [{"addr": f"10.0.0.{i}:7100", "state": "dead"} for i in range(20, 32)]
+            + [{"addr": f"10.0.1.{i}:7100", "state": "alive"} for i in range(40)])
+    assert holders({"members": rows}, MAX_SOURCES) == [f"10.0.1.{i}:7100"
+                                                       for i in range(MAX_SOURCES)]
+    for odd in ({}, {"members": 7}, {"members": [5, None, {"addr": 3, "state": "alive"}]}):
+        assert holders(odd, MAX_SOURCES) == []
+    many = [{"addr": "10.0.0.1:1", "state": "dead"}] * MAX_ROWS + rows  # rows read: bounded
+    assert holders({"members": many}, MAX_SOURCES) == []

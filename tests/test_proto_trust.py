@@ -557,6 +557,9 @@ def test_a_new_leader_writes_at_once_but_not_again_within_a_checkpoint_interval(
     assert plan.lead_save(3.0)  # the first lead: a checkpoint of its own at once
     assert not plan.lead_save(8.0) and not plan.lead_save(122.9)  # led again, and again
     assert plan.lead_save(123.0)
+    off = Housekeeping(settings_of(resolve(None, {"P2PTRAIN_CHECKPOINT_EVERY_SECONDS": "0"},
+                                           {})), 0.0, 0)  # timed checkpoints off: a gap still
+    assert off.lead_save(3.0) and not off.lead_save(8.0) and off.lead_save(123.0)
 
 
 def test_a_relayed_beat_of_2_53_does_not_silence_a_live_outbound_only_member():

@@ -97,3 +97,36 @@ def test_when_no_checkpoint_loads_the_start_says_so_rather_than_start_over(tmp_p
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"no checkpoint in {state / 'checkpoints'} loads (the newest: {bad})" in r.stderr
     assert json.loads((state / "checkpoints" / bad / "manifest.json").read_text())["step"] == 11
+
+
+def test_a_node_resuming_at_the_highest_term_still_writes_its_checkpoints(tmp_path):
+    """A term file of 2^52 - 1 and a checkpoint of term 2^52: the node leads 2^52 (one above
+    the highest it may resume below) and its checkpoints carry it. A first bound refused
+    manifests of term 2^52 -- every checkpoint of such a run unwritten; before it, a
+    floor of 2^52 led at 2^52 + 1, which no manifest carries."""
+    from tests.swarmlab import SwarmLab, free_ports, wait_for
+
+    with SwarmLab(tmp_path / "lab") as lab:
+        first = lab.start("a", free_ports(1)[0], [])
+        wait_for("a first checkpoint", lambda: [
+            e for e in first.events() if e.get("event") == "checkpoint"], 90)
+        assert lab.stop_all() == [0]
+        state = first.state_dir
+        root = state / "checkpoints"
+        newest = checkpoint.list_checkpoints(root)[0]
+        m = checkpoint.read_manifest(newest)
+        meta = checkpoint.state_meta(checkpoint.load_tensors(newest, checkpoint.STATE_FILE, {}))
+        snap = checkpoint.Snapshot(
+            step=m.step, term=2**52, swarm_count=dict(m.swarm_count), fingerprint=m.fingerprint,
+            arch=dict(m.arch), model_tensors=list(_tensors(newest / checkpoint.MODEL_FILE)),
+            state_tensors=list(_tensors(newest / checkpoint.STATE_FILE)), state_meta=meta)
+        checkpoint.save(root, snap, load_or_create(state), keep=10)
+        (state / "term").write_text(str(2**52 - 1))
+        again = lab.start("a2", free_ports(1)[0], [], state=state)
+        written = wait_for("a checkpoint of term 2^52", lambda: [
+            e for e in again.events() if e.get("event") == "checkpoint"
+            and checkpoint.read_manifest(checkpoint.list_checkpoints(root)[0]).term == 2**52],
+            90)
+        assert written and not [e for e in again.events()
+                                if e.get("event") == "checkpoint_failed"], again.output()[-2000:]
+        assert lab.stop_all()[-1] == 0

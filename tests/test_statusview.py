@@ -34,10 +34,13 @@ def test_a_status_document_is_a_header_a_holding_and_a_row_a_node():
     {"holds": {"term": "t", "step": [], "digest": 1}}, {"runtime": 3, "members": "many"},
     {"members": [5, None, {"node_id": None, "rtt_ms": "fast", "bytes_in": True}]},
     {"leader": ["a"], "term": float("nan"), "swarm_samples": {"n": 1}},
+    {"node_id": "abc", "step": 10**300, "loss": 1e300, "bytes_in": 1e300, "samples": -10**40,
+     "term": 10**300, "swarm_samples": 1e300},
 ])
 def test_fields_of_the_wrong_type_show_as_a_dash_not_a_traceback(doc):
     lines = status_lines(doc)
     assert lines[-1] == "(* this node, L the leader)" and len(lines) >= 4
+    assert max(len(line) for line in lines) < 200
     assert "None" not in "".join(lines[2:]) and "nan" not in "".join(lines)
 
 

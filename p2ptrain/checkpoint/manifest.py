@@ -176,8 +176,8 @@ def parse(doc: object) -> Manifest:
         raise ManifestError(f"not a {FORMAT} manifest")
     if not all(_is_count(doc[k], MAX_COUNT) for k in ("step", "term", "swarm_samples")):
         raise ManifestError("step, term or swarm_samples is not a count below 2^53")
-    if doc["term"] >= MAX_TERM:  # a node resuming it leads a term above: no peer accepts it
-        raise ManifestError(f"term {doc['term']} is not below the protocol's 2^52")
+    if doc["term"] > MAX_TERM:  # a node resuming it would take a term no peer accepts
+        raise ManifestError(f"term {doc['term']} is beyond the protocol's 2^52")
     if not (_is_hex(doc["leader"], 32) and _is_hex(doc["leader_key"], 64)
             and _is_hex(doc["signature"], 128)):
         raise ManifestError("leader, key or signature is malformed")

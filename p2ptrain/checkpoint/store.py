@@ -120,16 +120,17 @@ def save(
     `progress(file_name, bytes_written, total)` is called while the weight file is written.
     OSError (e.g. a full disk) leaves nothing behind and names `root` when the system did not
     name a file. A disk too full for one more while `keep` are there first loses the oldest
-    of them, which the write would prune anyway, and tries once more: a disk that held
-    `keep` checkpoints but not one more never took another."""
+    of them, which the write would prune anyway -- never the newest, which stays whatever
+    the retry does -- and tries once more: a disk that held `keep` checkpoints but not one
+    more never took another."""
     try:
         return _save(root, snap, identity, keep, progress, pinned)
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or keep < 1:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         final = checkpoint_name(snap.term, snap.step)
         held = [p for p in list_checkpoints(root) if p.name != final]
-        spare = [p for p in held[keep - 1:] if pinned is None or not pinned(p.name)]
+        spare = [p for p in held[max(keep - 1, 1):] if pinned is None or not pinned(p.name)]
         if not spare:
             raise
         shutil.rmtree(spare[-1], ignore_errors=True)  # the oldest

@@ -12,6 +12,20 @@ import aiohttp
 from p2ptrain.errors import UserError
 from p2ptrain.statelock import lock_state_dir
 
+MAX_ROWS = 4096  # a status document's member rows read at most (a node's table holds 4,096)
+
+
+def holders(doc: dict, limit: int) -> list[str]:
+    """The addresses of up to `limit` members a status document lists that may serve a base:
+    alive and reachable. Anything may have written the document: every row is checked, at
+    most MAX_ROWS read, and the limit applies to the rows kept (dead and outbound-only
+    members listed first left none)."""
+    members = doc.get("members")
+    rows = members[:MAX_ROWS] if isinstance(members, list) else []
+    return [m["addr"] for m in rows
+            if isinstance(m, dict) and isinstance(m.get("addr"), str)
+            and m.get("state") == "alive" and not m.get("outbound_only")][:limit]
+
 
 def missing_base(settings) -> str | None:
     """The base id the settings name when this node's state directory lacks it."""
@@ -57,11 +71,7 @@ def fetch_missing_base(settings, swarm, peers: list[str], timeout: float, mdns: 
                 sources = [addr]
                 try:
                     doc = await get_json(session, f"http://{addr}/v1/status")
-                    members = doc.get("members")  # (anything may answer: checked)
-                    rows = members[:MAX_SOURCES] if isinstance(members, list) else []
-                    sources += [m["addr"] for m in rows
-                                if isinstance(m, dict) and isinstance(m.get("addr"), str)
-                                and m.get("state") == "alive" and not m.get("outbound_only")]
+                    sources += holders(doc, MAX_SOURCES)
                 except UserError as exc:
                     problems.append(str(exc))
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:

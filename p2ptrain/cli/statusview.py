@@ -16,6 +16,7 @@ from p2ptrain.report import human_count
 HEAD = ("node", "address", "class", "state", "step", "loss", "samples", "in", "out", "rtt")
 MAX_TEXT = 64  # characters of one field shown; node ids are 64 hex digits, cut to 12 anyway
 MAX_ROWS = 1000  # members listed at most (a node knows a few hundred)
+MAX_NUMBER = 16  # characters of a number shown, else "?" (a step of 10^300: 1,271 characters)
 
 
 def text(value: Any, limit: int = MAX_TEXT) -> str | None:
@@ -33,18 +34,23 @@ def number(value: Any) -> float | int | None:
 
 
 def _cell(value: Any, col: int) -> str:
-    if col in (4, 5, 6, 7, 8, 9):
-        n = number(value)
-        if n is None:
-            return "-"
-        if col == 5:
-            return f"{n:.3f}"
-        if col == 9:
-            return f"{n:.1f}ms"
-        if col in (7, 8):
-            return f"{human_count(n)}B"
-        return human_count(n) if col == 6 else f"{n:g}" if isinstance(n, float) else str(n)
-    return text(value) or "-"
+    if col < 4:
+        return text(value) or "-"
+    shown = _number_cell(value, col)
+    return shown if len(shown) <= MAX_NUMBER else "?"  # (no node counts that far)
+
+
+def _number_cell(value: Any, col: int) -> str:
+    n = number(value)
+    if n is None:
+        return "-"
+    if col == 5:
+        return f"{n:.3f}"
+    if col == 9:
+        return f"{n:.1f}ms"
+    if col in (7, 8):
+        return f"{human_count(n)}B"
+    return human_count(n) if col == 6 else f"{n:g}" if isinstance(n, float) else str(n)
 
 
 def _holds(value: Any) -> str | None:
@@ -72,6 +78,8 @@ def status_lines(doc: dict) -> list[str]:
     leader = text(doc.get("leader"))
     swarm, phase = text(doc.get("swarm")), text(doc.get("phase"))
     term, samples = number(doc.get("term")), number(doc.get("swarm_samples"))
+    term = term if term is not None and len(str(term)) <= MAX_NUMBER else None
+    samples = samples if samples is not None and len(f"{samples:,}") <= MAX_NUMBER else None
     lines = [f"swarm {swarm!r} | node {(text(doc.get('node_id')) or '?')[:12]} "
              f"({phase or '-'}) | leader {leader[:12] if leader else 'none'} "
              f"(term {term if term is not None else '-'}) | swarm samples "

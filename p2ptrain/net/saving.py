@@ -198,7 +198,7 @@ def read_term(path: Path) -> int:
     """The term kept by `record_term` (0 when absent, unreadable, or not below the protocol's
     2^52: a damaged file of 2^60 made the node lead in a term no peer accepts, write it into
     a checkpoint and stop with an internal error at every start; one of exactly 2^52 made it
-    lead at 2^52 + 1, which its checkpoints cannot carry)."""
+    lead at 2^52 + 1, which its checkpoints cannot carry: it leads one above what it read)."""
     try:  # (a FIFO there would hang the start; NotRegularFile and TooLarge are ValueErrors)
         term = int(read_regular(path, 64).decode().strip() or 0)
     except (OSError, ValueError, UnicodeError):

@@ -21,7 +21,7 @@ def _figures(node: Any) -> tuple[dict, ...]:
     trainer = node.trainer
     tracking = () if trainer.tracker is None else (trainer.tracker.guard.refused,)
     return (node.bytes_in, node.bytes_out, trainer.peer_progress, trainer.guard.refused,
-            trainer.mixer.used, trainer.served, trainer.strikes, *tracking)
+            trainer.mixer.used, trainer.served, trainer.benched, *tracking)
 
 
 def forget_gone(node: Any) -> None:

@@ -9,20 +9,21 @@ half step is taken from the two snapshots, so answering both would move each rep
 way to the other's -- they would swap and stay as far apart. The node with the smaller id
 declines; the other answers, and both land on the mean.
 
-And how long a partner whose exchanges end without a half step rests (`strike`): a member
-holding the key that never answers held an honest node's one exchange slot for its give-up
-(90 s and more), and was drawn again at the next due step -- six nodes with one such member
-started 90 exchanges in 400 s instead of 1,985. Each exchange with it that ends without its
-reply (given up, unanswered, the partner gone) rests it as long as the slot was held (5 s
-at least), doubled for each such exchange in a row, up to MAX_REST; an applied one clears
-it. A declined request is no strike: it costs a round trip,
-and a refusal by the distance guard is one (drifted replicas average again once refusals
-have come `distance_patience` times). `t` is the GossipTrainer. Pure: no I/O, no clock.
+And how long a partner whose exchanges end without a half step is benched (`strike`): a
+member holding the key that never answers held an honest node's one exchange slot for its
+give-up (90 s and more), and was drawn again at the next due step -- six nodes with one such
+member started 90 exchanges in 400 s instead of 1,985. Each exchange with it that ends
+without its reply (given up, unanswered, the partner gone) benches it as long as the slot
+was held (5 s at least), doubled for each such exchange in a row, up to MAX_REST; an applied
+one clears it. A benched partner is drawn only when every partner is benched: two honest
+nodes whose link came back after an outage would otherwise not average for as long as each
+benched the other. A declined request is no strike: it costs a round trip, and a refusal
+by the distance guard is one (drifted replicas average again once refusals have come
+`distance_patience` times). `t` is the GossipTrainer. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from p2ptrain.proto.gossip.averaging import PeerSnapshot
@@ -37,12 +38,11 @@ MAX_REST = 3600.0
 
 def strike(t: Any, now: float, peer: str, held: float) -> None:
     """An exchange of `t` with `peer` ended without its reply after holding the slot `held`
-    s: `peer` rests as long (UNANSWERED_REST at least), twice as long as after the last one
-    in a row -- a silent member holds a node's slot a shrinking share of the time."""
-    n = t.strikes[peer] = min(t.strikes.get(peer, 0) + 1, 64)
+    s: `peer` is benched as long (UNANSWERED_REST at least), twice as long as after the last
+    one in a row -- a silent member holds a node's slot a shrinking share of the time."""
+    n = min(t.benched.get(peer, (0, 0.0))[0] + 1, 64)
     rest = max(UNANSWERED_REST, held) * 2.0 ** (n - 1)
-    until = max(now + min(rest, MAX_REST), t.resting.get(peer, (0.0, 0.0))[1])
-    t.resting[peer] = (-math.inf, until)
+    t.benched[peer] = (n, max(now + min(rest, MAX_REST), t.benched.get(peer, (0, 0.0))[1]))
 
 
 def crossing(t: Any, sender: str) -> bool:
@@ -80,10 +80,9 @@ def respond(t: Any, now: float, sender: str, addr: str, body: AverageRequest,
         return
     t.stats["average_answered"] += 1
     cfg = t.config
-    until = now + t.peers.give_up(sender, sum(len(c) for c in chunks), floor=1e-3,
-                                  margin=cfg.average_timeout_margin,
-                                  ceiling=cfg.average_timeout_max)
-    t.resting[sender] = (now, max(until, t.resting.get(sender, (0.0, 0.0))[1]))  # (a strike's)
+    t.resting[sender] = (now, now + t.peers.give_up(
+        sender, sum(len(c) for c in chunks), floor=1e-3, margin=cfg.average_timeout_margin,
+        ceiling=cfg.average_timeout_max))
     t._finish(t.responder, snap, busy)
 
 

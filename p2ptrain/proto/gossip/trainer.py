@@ -121,7 +121,8 @@ class GossipTrainer:
         # still on its way (answer.py's `respond`), or our last request to it unanswered (for
         # a strike's rest, answer.py); and when our last step ended
         self.resting: dict[str, tuple[float, float]] = {}
-        self.strikes: dict[str, int] = {}  # partner -> exchanges in a row without a half step
+        # partner -> (its exchanges in a row without a reply, benched until: answer.strike)
+        self.benched: dict[str, tuple[int, float]] = {}
         self.boundary = -math.inf
         self.held = HeldDeltas(self.plan, held_capacity(n))  # half steps while busy
         self.reading = False  # the driver reads the learner's buffers: busy even between steps
@@ -259,7 +260,8 @@ class GossipTrainer:
             return
         self.distance = report.distance
         self.guard.applied(report.peer.hex(), report.distance)
-        self.strikes.pop(report.peer.hex(), None)
+        if averager is self.initiator:  # its reply came (its requests prove nothing: a
+            self.benched.pop(report.peer.hex(), None)  # silent member may send its own)
         self.stats["average_applied"] += 1
 
     def read(self, active: bool, stepping: bool) -> list:
@@ -320,6 +322,9 @@ class GossipTrainer:
         on its way, our last request to it unanswered)."""
         resting = {p for p, (at, until) in self.resting.items()
                    if at >= self.boundary or until > now}
+        benched = {p for p, (_, until) in self.benched.items() if until > now}
+        if any(p not in benched for p, _ in partners):  # a benched partner only when every
+            resting |= benched  # partner is (a pair whose link is back after an outage)
         self.resting = {p: v for p, v in self.resting.items() if v[1] > now}
         self.boundary = now
         if self.next_part is not None:
@@ -424,7 +429,7 @@ class GossipTrainer:
         self.exchange = None
         self.next_part = None
         self.resting.clear()
-        self.strikes.clear()
+        self.benched.clear()
         self.held.clear()
         self.initiator.abort()
         self.mixer.clear()
