@@ -24,7 +24,8 @@ def _wrecked_checkpoint(lab: SwarmLab, state_dir, term: int, wreck: str) -> None
     """Sign a checkpoint of wrecked weights with the leader's own identity, newer than
     anything the swarm has, into the leader's checkpoint directory (it serves its newest):
     "scaled", initial weights times 10^4 (confidently wrong: a held-out loss of ~10^11 nats),
-    or "uniform", all 65,504 (they predict uniformly on numpy 2.4: a fresh replica's loss)."""
+    "uniform", all 65,504 (they predict uniformly on numpy 2.4: a fresh replica's loss), or
+    "nan", every seventh weight not a number."""
     cfg = resolve(str(lab.config), {}, {})
     settings = settings_of(cfg)
     model = build_model(settings.model_name, settings.model)
@@ -33,6 +34,8 @@ def _wrecked_checkpoint(lab: SwarmLab, state_dir, term: int, wreck: str) -> None
                       load_corpus(None, 0.1, model.ctx_len + 2), 8, 1, 8)
     if wreck == "scaled":
         learner.params *= np.float32(1e4)
+    elif wreck == "nan":
+        learner.params[::7] = np.nan
     else:
         learner.params.fill(65504.0)
     learner.step = 10**6
@@ -40,7 +43,7 @@ def _wrecked_checkpoint(lab: SwarmLab, state_dir, term: int, wreck: str) -> None
     checkpoint.save(state_dir / "checkpoints", learner.snapshot(term), identity, keep=5)
 
 
-@pytest.mark.parametrize("wreck", ["scaled", "uniform"])
+@pytest.mark.parametrize("wreck", ["scaled", "uniform", "nan"])
 def test_a_joiner_refuses_a_wrecked_checkpoint_signed_by_the_leader(tmp_path, wreck):
     with SwarmLab(tmp_path) as lab:
         ports = free_ports(2)
@@ -55,6 +58,10 @@ def test_a_joiner_refuses_a_wrecked_checkpoint_signed_by_the_leader(tmp_path, wr
         reason = starts[0]["reason"]
         if wreck == "scaled":  # far worse than fresh weights: refused, the leader named
             assert reason.startswith("refused the leader's checkpoint"), reason
+        elif wreck == "nan":  # refused, and neither kept nor served to other joiners
+            assert reason.startswith("refused the leader's checkpoint"), reason
+            assert "not finite" in reason, reason
+            assert checkpoint.list_checkpoints(joiner.state_dir / "fetched") == []
         else:  # as good as fresh weights by the loss: not taken (or, where it overflows, refused)
             assert reason.startswith(("the leader's checkpoint is no better than fresh weights",
                                       "refused the leader's checkpoint")), reason

@@ -13,6 +13,7 @@ but the newest fetched checkpoint are removed. A driver: I/O is allowed.
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -134,6 +135,8 @@ class JoinFetcher:
             await self.between_steps()  # a step taken while joining: the judge needs its buffer
             loss, own = await asyncio.get_running_loop().run_in_executor(self.io, self.judge,
                                                                          path)
+            if not math.isfinite(loss):  # weights that do not load or are not finite: the
+                self._drop(path)  # node refuses them; nobody else is served them, nor kept
             return CheckpointFetched(str(path), manifest.swarm_samples, loss=loss,
                                      own_loss=own, counts=manifest.swarm_count)
         finally:
@@ -141,6 +144,12 @@ class JoinFetcher:
         self.reporter.warn(f"checkpoint fetch failed: {reason}", event="fetch_failed",
                            attempt=action.attempt)
         return CheckpointFetched(None, reason=reason, retry=True)
+
+    def _drop(self, path: Path) -> None:
+        held = self.shelf.find(path.name) if self.shelf is not None else None
+        if held is not None and held.path == path:
+            self.shelf.unregister(held)
+        shutil.rmtree(path, ignore_errors=True)
 
     def adopt(self, path: str, learner: Learner) -> None:
         """Load a fetched checkpoint's weights now (the node decided they are newer)."""
