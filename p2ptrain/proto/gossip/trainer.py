@@ -117,9 +117,8 @@ class GossipTrainer:
         self.guard = config.distance_guard()  # which averaging snapshots are too far
         self.exchange: Exchange | None = None
         # peers that are no partner of ours for now -> (when we answered one of its requests,
-        # until when): just averaged with (at least until our next step), our reply perhaps
-        # still on its way (answer.py's `respond`), or our last request to it unanswered (for
-        # a strike's rest, answer.py); and when our last step ended
+        # until when): just averaged with (at least until our next step), or our reply perhaps
+        # still on its way (answer.py's `respond`); and when our last step ended
         self.resting: dict[str, tuple[float, float]] = {}
         # partner -> (its exchanges in a row without a reply, benched until: answer.strike)
         self.benched: dict[str, tuple[int, float]] = {}
@@ -319,7 +318,8 @@ class GossipTrainer:
         exchange if one is due -- with any partner every `average_every` steps, with one of
         the swarm's fastest every `average_every_fast` when they, this node too, are few;
         not with a peer resting (`resting`: just averaged with, our reply to it perhaps still
-        on its way, our last request to it unanswered)."""
+        on its way) nor, unless every partner is, one benched (our exchanges with it ended
+        without its reply: answer.strike)."""
         resting = {p for p, (at, until) in self.resting.items()
                    if at >= self.boundary or until > now}
         benched = {p for p, (_, until) in self.benched.items() if until > now}
