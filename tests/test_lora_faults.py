@@ -183,3 +183,16 @@ def test_the_base_fetch_takes_the_holders_a_status_lists_after_its_other_rows():
         assert holders(odd, MAX_SOURCES) == []
     many = [{"addr": "10.0.0.1:1", "state": "dead"}] * MAX_ROWS + rows  # rows read: bounded
     assert holders({"members": many}, MAX_SOURCES) == []
+
+
+def test_a_damaged_base_directory_of_the_users_own_is_named_not_to_be_removed(tmp_path,
+                                                                              capsys):
+    """Only a base the node made or fetched is to be removed (it comes back); the user's
+    own base directory, damaged, is said to be so -- not 'remove' it."""
+    made = base_from_init(TINY, 0, tmp_path / "mine")
+    data = bytearray((made.path / BASE_FILE).read_bytes())
+    data[len(data) // 2] ^= 1
+    (made.path / BASE_FILE).write_bytes(bytes(data))
+    assert _join(tmp_path, made.path) == 2
+    err = capsys.readouterr().err
+    assert "is damaged" in err and "remove" not in err and "Traceback" not in err, err

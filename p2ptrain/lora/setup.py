@@ -77,10 +77,11 @@ def resolve_base(source: str, state_dir: str | os.PathLike, dtype: str = "bf16",
             except BaseError:  # damaged since it was made: made anew from its source
                 base = None
         base = make_base(src, root, dtype)
-        if not is_base_dir(src):
-            _remember(root, src, dtype, base.id)
-        else:
+        if is_base_dir(src):  # the user's own copy: never "remove it"
+            verify_base(base, progress)
             _link(root, base)
+            return base
+        _remember(root, src, dtype, base.id)
         return _checked(base, progress)
     except OSError as exc:  # a full disk while making it, a failing card while checking it
         raise BaseError(describe_os_error(exc)) from None
