@@ -51,12 +51,12 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
     fault = env_fault_hook(reporter)
     start = time.monotonic()
     plan = Housekeeping(settings, start, learner.step)
-    last_progress, saves, eval_loss, saved_any = start, 0, None, False
+    last_progress, saves, eval_loss = start, 0, None
     saved_step, saved_path = -1, None  # the newest checkpoint this run wrote
     tokens, window_start = 0, start
 
     def save(final: bool = False) -> bool:
-        nonlocal saves, saved_any, saved_step, saved_path
+        nonlocal saves, saved_step, saved_path
         if final and saved_step == learner.step:  # the periodic one of this step: not twice
             reporter.info(f"checkpoint {saved_path.name} is the final one", event="checkpoint",
                           path=str(saved_path), step=learner.step, final=True, written=False)
@@ -73,7 +73,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
                           event="checkpoint_failed", step=learner.step, final=final)
             return False
         plan.save_finished(time.monotonic() - t0)
-        saved_any, saved_step, saved_path = True, learner.step, path
+        saved_step, saved_path = learner.step, path
         reporter.info(f"checkpoint {path.name} written in {plan.save_seconds:.2f}s"
                       + (" (final)" if final else ""), event="checkpoint", path=str(path),
                       step=learner.step, final=final)
@@ -120,7 +120,7 @@ def _loop(settings: Settings, reporter: Reporter, node: Prepared) -> int:
                     break
             if now - last_progress >= settings.log.every_seconds:
                 rate = tokens / max(now - window_start, 1e-9)
-                age = now - plan.last_save if saved_any else None
+                age = now - plan.last_save if saved_path is not None else None
                 reporter.progress(learner.step, result.loss, eval_loss, rate, learner.samples,
                                   learner.swarm_samples, learner.total_samples, result.lr, age)
                 last_progress, tokens, window_start = now, 0, now

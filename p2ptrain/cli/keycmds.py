@@ -93,10 +93,7 @@ def cmd_key_rotate(args) -> int:
         raise UserError(f"--grace {grace:g}: seconds, a finite number in 0..{MAX_GRACE:g} "
                         f"(a year)")
     dropped = cfg["swarm.previous_key_file"]
-    if dropped:
-        prev_text = dropped
-    else:
-        prev_text = previous_path(Path(cfg["swarm.key_file"])).as_posix()
+    prev_text = dropped or previous_path(Path(cfg["swarm.key_file"])).as_posix()
     prev_path = Path(prev_text).expanduser()
     if not prev_path.is_absolute():
         prev_path = config_path.parent / prev_path

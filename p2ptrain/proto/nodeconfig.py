@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from p2ptrain.codecs import DEFAULT_CHUNK
 from p2ptrain.options import option
 from p2ptrain.proto.gossip.config import GossipConfig
+from p2ptrain.proto.gossip.mixer import MAX_PEER_CHUNK
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +48,7 @@ class NodeConfig:
     chunk_elems: int = option(DEFAULT_CHUNK, "elements per codec chunk message (peers "
                               "refuse gradient chunks longer than 16,777,216; each chunk a "
                               "peer holds counts 1 KiB against its gossip.queue_bytes)",
-                              minimum=1 << 16, maximum=1 << 24)
+                              minimum=1 << 16, maximum=MAX_PEER_CHUNK)
     offender_refusals: int = option(5, "refusals of one member's values within "
                                     "node.offender_window seconds that make it ignored; 0: "
                                     "never", minimum=0)
