@@ -3,11 +3,12 @@ averaging request, answered from a snapshot of the replica's covered coordinates
 and an outbound-only member's gradient push, answered with this node's latest gradient.
 
 A request is declined while the node joins (`decline`), when its half step could not be held
-until the step boundary (a step is outstanding and the held store is full), and when it
-crosses the exchange this node opened with the same peer and still waits on: each side's
-half step is taken from the two snapshots, so answering both would move each replica all the
-way to the other's -- they would swap and stay as far apart. The node with the smaller id
-declines; the other answers, and both land on the mean.
+until the step boundary (a step is outstanding and the held store is full), when its sender
+has its share of the node's recent exchanges (guard.py's `crowded`), and when it crosses the
+exchange this node opened with the same peer and still waits on: each side's half step is
+taken from the two snapshots, so answering both would move each replica all the way to the
+other's -- they would swap and stay as far apart. The node with the smaller id declines; the
+other answers, and both land on the mean.
 
 And how long a partner whose exchanges end without a half step is benched (`strike`): a
 member holding the key that never answers held an honest node's one exchange slot for its
@@ -45,6 +46,17 @@ def strike(t: Any, now: float, peer: str, held: float) -> None:
     t.benched[peer] = (n, max(now + min(rest, MAX_REST), t.benched.get(peer, (0, 0.0))[1]))
 
 
+def declines(t: Any, sender: str) -> str | None:
+    """Why `t` declines `sender`'s request whatever it holds (None: it need not): it crosses
+    the exchange `t` opened with it, or `sender` has its share of `t`'s recent exchanges
+    (guard.py's `crowded`)."""
+    if crossing(t, sender):
+        return "crossing"
+    if t.guard.crowded(sender):
+        return "crowded"
+    return None
+
+
 def crossing(t: Any, sender: str) -> bool:
     """Whether `sender`'s request crosses the exchange `t` opened with it (reply awaited) and
     `t` is the side that declines."""
@@ -66,9 +78,9 @@ def respond(t: Any, now: float, sender: str, addr: str, body: AverageRequest,
     if not decline and busy and not t.held.room(t._part_size(body.seed, body.part)):
         decline = True  # its half step could not be held until the step boundary
         t.stats["average_declined_held_full"] += 1
-    elif not decline and crossing(t, sender):
+    elif not decline and (why := declines(t, sender)) is not None:
         decline = True
-        t.stats["average_declined_crossing"] += 1
+        t.stats[f"average_declined_{why}"] += 1
     if not decline:  # a read: allowed while busy
         t.responder.begin(learner.params, body.seed, body.part)
         chunks = tuple(bytes(c) for c in t.responder.messages(t.sender, learner.count.total))

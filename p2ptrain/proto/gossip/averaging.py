@@ -7,9 +7,10 @@ sides add exactly opposite float32 values (`fl(a - b) == -fl(b - a)`, halving is
 pair's sum is preserved up to the rounding of the final additions. (Weighted by sample rates,
 `pull_share`, each side moves by its peer's share instead.) With fp16 or int8 values a side
 rounds its own snapshot through the codec exactly as the peer will decode it, so both work
-from the same two rounded snapshots. No coordinate moves by more than `PEAK_RATIO` times the
-exchange's RMS distance (a clip, the same on both sides): the distance guard judges the RMS,
-which a peer could otherwise keep small while putting any value on a few coordinates.
+from the same two rounded snapshots. No coordinate moves by more than `SPREAD` times the
+median |x_peer - x_self| of the exchange (a clip, the same on both sides; spread.py), and the
+exchange's distance -- what the guard judges -- is the RMS of that clipped difference: a peer
+cannot keep an ordinary distance while putting any value on a few coordinates.
 Which coordinates an exchange covers, and how its values travel, is its plan's (`plan.py`).
 
 Sequence, initiator:  begin(params, seed) -> send messages() -> finish(params, reply).
@@ -34,16 +35,13 @@ from typing import Any
 import numpy as np
 
 from p2ptrain.codecs import DEFAULT_CHUNK, Codec, CodecError, Message, parse_message
-from p2ptrain.codecs.kernels import BLOCK, all_finite, bf16_bits_to_f32, blocks, sum_squares
+from p2ptrain.codecs.kernels import BLOCK, all_finite, bf16_bits_to_f32, blocks
 from p2ptrain.codecs.wire import Origin, chunk_bounds, encode_chunk
 from p2ptrain.optim import Progress
 from p2ptrain.proto.gossip.plan import AveragingPlan
+from p2ptrain.proto.gossip.spread import Spread, clip_sq
 
 _MASK64 = (1 << 64) - 1
-# a coordinate's move is clipped to this many times the exchange's RMS distance: honest
-# exchanges measured up to 23x (seed-fleet's) and 48x (seed-1b-lora-ema's; BENCHMARKS 16),
-# a spike on a few coordinates of a vector of n is up to sqrt(n)x
-PEAK_RATIO = 128.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +105,8 @@ class AveragingReport:
     peer: bytes  # the peer's raw node id
     seed: int  # the exchange's seed
     covered: int  # coordinates averaged
-    distance: float  # consensus distance: RMS of (x_peer - x_self) over them, from snapshots
+    distance: float  # consensus distance: RMS of (x_peer - x_self) over them, from snapshots,
+    # each |x_peer - x_self| clipped as the exchange clips it (spread.py)
 
 
 HELD_PULL = 1.0  # the pulls held during one step sum to at most this (HeldDeltas)
@@ -256,19 +255,24 @@ class ParameterAverager:
         return make()
 
     def distance(self, peer: PeerSnapshot) -> float:
-        """The RMS distance between the open snapshot and the peer's, computed as `finish`
-        will, changing neither (a chunk-sized scratch buffer, kept for the next call).
+        """The (clipped) RMS distance between the open snapshot and the peer's, computed as
+        `finish` will, changing neither (a chunk-sized scratch buffer, kept for the next call).
         CodecError if the peer's snapshot does not match the open exchange or is malformed."""
         m = self._check_peer(peer)
-        sq = 0.0
-        for chunk in peer.chunks:
-            lo, n = chunk.chunk_offset, chunk.chunk_length
-            if self._scratch.shape[0] < n:
-                self._scratch = np.zeros(n, np.float32)
-            d = self._scratch[:n]
-            np.copyto(d, self._snap[lo : lo + n])
-            chunk.codec.decode_into(chunk.payload, d, -1.0, chunk.seed)  # mine - peer
-            sq += sum_squares(d)
+        spread, sq = Spread(), 0.0
+        for clipping in (False, True):  # the clip first, then the clipped difference
+            peak = spread.peak() if clipping else math.inf
+            for chunk in peer.chunks:
+                lo, n = chunk.chunk_offset, chunk.chunk_length
+                if self._scratch.shape[0] < n:
+                    self._scratch = np.zeros(n, np.float32)
+                d = self._scratch[:n]
+                np.copyto(d, self._snap[lo : lo + n])
+                chunk.codec.decode_into(chunk.payload, d, -1.0, chunk.seed)  # mine - peer
+                if clipping:
+                    sq += clip_sq(d, peak)
+                else:
+                    spread.add(d)
         return math.sqrt(sq / m) if m else 0.0
 
     def finish(self, params: np.ndarray, peer: PeerSnapshot | Iterable[Any],
@@ -289,14 +293,14 @@ class ParameterAverager:
             self._check_peer(peer)
             for chunk in peer.chunks:
                 chunk.decode_into(diff, -1.0)  # diff = mine - peer, chunk by chunk
-            distance = math.sqrt(sum_squares(diff) / m)
+            spread = Spread()
+            spread.add(diff)  # symmetric: the peer finds the same peak and clips -diff alike
+            distance = math.sqrt(clip_sq(diff, spread.peak()) / m)
             if not distance <= self.max_distance:
                 raise CodecError(f"peer parameters are too far: RMS distance {distance:.4g}")
         except CodecError:
             self.abort()
             raise
-        peak = np.float32(PEAK_RATIO * distance)
-        np.clip(diff, -peak, peak, out=diff)  # symmetric: the peer clips -diff alike
         if held is not None:
             pull = held.take(pull, *self._span())
         diff *= np.float32(-pull)  # now (peer - mine) * pull; exact for 1/2

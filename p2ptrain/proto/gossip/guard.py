@@ -2,7 +2,8 @@
 with, the way `GradientMixer` guards gradients with a running median norm.
 
 A snapshot is judged by its consensus distance to our replica (RMS of x_peer - x_self over the
-covered coordinates, from the two snapshots, before anything is applied):
+covered coordinates, from the two snapshots, before anything is applied; each |x_peer - x_self|
+clipped as the exchange would clip it, spread.py: the move the exchange would make):
 - refused above `distance_multiple` times the median distance of the last `distance_window`
   exchanges this node applied (one buggy or hostile peer cannot drag a replica far, and a
   replica it wrecked is refused by the others in turn);
@@ -17,8 +18,21 @@ covered coordinates, from the two snapshots, before anything is applied):
   Each such judgement is counted (`fallbacks`), the node's log of it.
 Refusals are counted per peer (`refused`), so a repeat offender can be named.
 
-Pure: no clock, no randomness, no I/O; bounded state (a window, and a count per peer that
-only members can add to, forgotten past `MAX_PEERS`).
+And how many of the node's recent exchanges one peer may start (`crowded`): a member holding
+the key may send a request at every step, and each exchange may move a coordinate by the
+clip's bound (spread.py) -- in the same direction every time, while the node's honest
+partners pull it back only as often as they exchange with it. A peer that started, among the
+last SHARE_WINDOW applied exchanges, CROWD_RATIO times as many as the busiest other peer had
+(either side starting them) and CROWD_SLACK more has its requests declined until others have
+theirs. With two or more honest partners a member's pulls are then matched or outweighed by
+theirs; honest partners, drawn at random, rarely get that far ahead of one another. Exchanges
+this node started do not count against their peer: a node draws its fastest partner most,
+and counting them declined that partner's own requests. Not free: in a core of three fast
+servers that each draw one favourite, one server's favourite can be far ahead of the other
+(13% of requests declined at seed-100m, the time to target unchanged). With no other peer
+among them (a two-node swarm) there is nobody to be fair to, and in a three-node swarm a
+member is a third of the swarm. A member running made-up members is not bounded by this:
+the key is the swarm's (BENCHMARKS 11).
 """
 
 from __future__ import annotations
@@ -28,6 +42,9 @@ from collections import Counter, deque
 
 MIN_DISTANCES = 3  # applied exchanges before their median judges anything
 MAX_PEERS = 4096  # peers whose refusals in a row are remembered
+SHARE_WINDOW = 32  # applied exchanges whose peers `crowded` counts
+CROWD_RATIO = 1.5  # a peer with this many times the busiest other's exchanges among them
+CROWD_SLACK = 3  # and this many more is declined
 
 
 class DistanceGuard:
@@ -40,6 +57,8 @@ class DistanceGuard:
         self.min_distance = min_distance  # never refused below this
         self.patience = patience
         self.distances: deque[float] = deque(maxlen=window)  # of applied exchanges
+        # (peer, whether the peer started it) of the last applied exchanges
+        self.partners: deque[tuple[str, bool]] = deque(maxlen=SHARE_WINDOW)
         self.refused_run = 0  # exchanges refused in a row, with any peer
         self.peer_runs: dict[str, int] = {}  # peer -> its snapshots refused in a row
         self.refused: Counter[str] = Counter()  # peer -> snapshots refused, ever
@@ -72,8 +91,17 @@ class DistanceGuard:
         return (f"averaging snapshot too far from this replica: RMS distance {distance:.4g} "
                 f"above {limit:.4g} ({bound})")
 
-    def applied(self, peer: str, distance: float) -> None:
-        """An exchange with `peer` at `distance` was applied."""
+    def crowded(self, peer: str) -> bool:
+        """Whether `peer` has started far more of the recent applied exchanges than the
+        node's busiest other partner has had: its requests are declined (module docstring)."""
+        counts = Counter(p for p, _ in self.partners)
+        counts.pop(peer, None)
+        started = sum(theirs for p, theirs in self.partners if p == peer)
+        return bool(counts) and started >= CROWD_RATIO * max(counts.values()) + CROWD_SLACK
+
+    def applied(self, peer: str, distance: float, theirs: bool = False) -> None:
+        """An exchange with `peer` at `distance` was applied (`theirs`: the peer started it)."""
         self.distances.append(distance)
+        self.partners.append((peer, theirs))
         self.refused_run = 0
         self.peer_runs.pop(peer, None)

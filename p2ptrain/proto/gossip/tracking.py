@@ -68,7 +68,6 @@ from p2ptrain.codecs.wire import (
     message_size,
     parse_message,
 )
-from p2ptrain.proto.gossip.averaging import PEAK_RATIO
 from p2ptrain.proto.gossip.guard import DistanceGuard
 from p2ptrain.proto.gossip.messages import (
     MAX_CHUNKS,
@@ -89,6 +88,9 @@ GIVE_UP_STEPS = 40  # at most this many of the node's steps if that is longer)
 STALE_SECONDS = 1.0  # a copy not pushed to for this long (or STALE_STEPS steps) is not mixed
 STALE_STEPS = 4
 STEADY = 5.0  # s a member must be (or not be) among the fastest to be taken on (dropped)
+# a copy moves a coordinate at most this many times the copy's RMS distance (averaging
+# clips at a multiple of the median |difference| since session 30: spread.py)
+PEAK_RATIO = 128.0
 PART_BYTES = 48 << 20  # a push's message carries chunks up to this many bytes
 MAX_EPOCH = 2**53
 

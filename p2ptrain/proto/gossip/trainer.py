@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2ptrain.codecs import CodecError, Message
-from p2ptrain.proto.gossip.answer import crossing, respond, serve_latest, strike
+from p2ptrain.proto.gossip.answer import declines, respond, serve_latest, strike
 from p2ptrain.proto.gossip.averaging import (
     HeldDeltas,
     ParameterAverager,
@@ -162,7 +162,7 @@ class GossipTrainer:
             return None
         snap = read_part(self.plan, self.initiator.codec, raw_id, body.chunks, body.seed,
                          body.part, body.parts)
-        if isinstance(body, AverageRequest) and not decline and not crossing(self, sender):
+        if isinstance(body, AverageRequest) and not decline and declines(self, sender) is None:
             self.responder.begin(self.learner.params, body.seed, body.part)  # a read
             try:
                 distance = self.responder.distance(snap)
@@ -258,7 +258,7 @@ class GossipTrainer:
             self.stats["average_refused"] += 1
             return
         self.distance = report.distance
-        self.guard.applied(report.peer.hex(), report.distance)
+        self.guard.applied(report.peer.hex(), report.distance, averager is self.responder)
         if averager is self.initiator:  # its reply came (its requests prove nothing: a
             self.benched.pop(report.peer.hex(), None)  # silent member may send its own)
         self.stats["average_applied"] += 1
