@@ -3,7 +3,9 @@ coordinates (session 29's review: ten output biases of the byte model went from 
 in 120 requests, the victim's held-out loss 3.2 -> 6.0, and the wrecked replica was then
 refused by its honest peers, so nothing mended it). The clip at SPREAD x the median
 |difference| (spread.py) bounds each exchange's move; the share of exchanges one peer may
-have (guard.py's `crowded`) bounds how often. Tiny byte-model replicas, virtual time."""
+have (guard.py's `crowded`) bounds how often, and the pairs' seed chains (seeds.py) where:
+the member cannot choose seeds whose subsets hold its target. Tiny byte-model replicas,
+virtual time."""
 
 from __future__ import annotations
 
@@ -13,62 +15,69 @@ import numpy as np
 import pytest
 
 from p2ptrain.proto.gossip.guard import CROWD_RATIO, CROWD_SLACK, SHARE_WINDOW, DistanceGuard
-from p2ptrain.proto.gossip.messages import AverageRequest
 from tests.test_gossip_guard import _cluster, _snapshot
-from tests.test_node import CORPUS, envelope_from
+from tests.test_node import CORPUS, chained
 
 HEAD_B = 12320  # where head.b starts in the byte model's vector (MODEL.space)
 
 
 def _drag(n: int, requests: int):
-    """Node 1 sends node 0 one request per step of node 0 (0.5 s) whose snapshot is its own
-    replica but for the output biases of the ten most frequent bytes, each put `per` below
-    node 0's own: a distance (RMS 0.045) the guard never refuses (min_distance 0.05).
-    Returns (victim, honest node 2, those coordinates, requests applied by the victim)."""
+    """Node 1 sends node 0 one request per step of node 0 (0.5 s), its seed following the
+    pair's chain (seeds.py): when the seed's subset holds the output biases of the ten most
+    frequent bytes, its snapshot is its own replica but for those, each put `per` below node
+    0's own -- a distance (RMS 0.045) the guard never refuses (min_distance 0.05); else its
+    own replica. Returns (victim, honest node 2, those coordinates, requests applied by the
+    victim, requests that carried the drag)."""
     c = _cluster(n)
     c.run_until(8.0)
     victim, attacker, honest = (c.training_node(i) for i in (0, 1, 2))
     plan = victim.trainer.plan
     block = HEAD_B // plan.block
-    seed = next(s for s in range(1, 10**6)
-                if plan.subset(s) is not None and block in set(plan.subset(s).tolist()))
-    lo, hi = plan.part_range(seed, 0)
     top = [b for b, _ in collections.Counter(
         np.asarray(CORPUS.train[:200000]).tolist()).most_common(10)]
     coords = np.array([HEAD_B + b for b in top])
-    coords = coords[coords < (block + 1) * plan.block]  # those the exchange covers
-    per = np.float32(0.045 * np.sqrt((hi - lo) / len(coords)))
-    applied = 0
-    for _ in range(requests):
+    coords = coords[coords < (block + 1) * plan.block]  # (in one run of a subset)
+    applied = dragged = 0
+
+    def snapshot(seed: int) -> tuple[bytes, ...]:
+        nonlocal dragged
         x = attacker.learner.params.copy()
-        x[coords] = victim.learner.params[coords] - per
-        env = envelope_from(c, 1, 0, AverageRequest(seed, attacker.learner.step, {},
-                                                    _snapshot(c, 1, x, seed), 0, 1))
+        subset = plan.subset(seed)
+        if subset is None or block in set(subset.tolist()):
+            lo, hi = plan.part_range(seed, 0)
+            x[coords] = victim.learner.params[coords] - np.float32(
+                0.045 * np.sqrt((hi - lo) / len(coords)))
+            dragged += 1
+        return _snapshot(c, 1, x, seed)
+
+    for k in range(requests):
         before = victim.trainer.stats["average_answered"]
-        c.inject(0, env, c.nodes[1].info.addr)
+        chained(c, 1, 0, snapshot, 1000 + k, step=attacker.learner.step)
         applied += victim.trainer.stats["average_answered"] - before
         c.run_for(0.5)
-    return victim, honest, coords, applied
+    return victim, honest, coords, applied, dragged
 
 
 def test_a_drag_on_a_few_coordinates_moves_them_by_the_median_scale_not_the_rms():
-    victim, honest, coords, applied = _drag(3, 120)
+    victim, honest, coords, applied, dragged = _drag(3, 120)
     # nothing refused: each request is within every per-request bound (some declined: with
-    # one honest partner, a member may have 1.5x its exchanges and 3 more)
+    # one honest partner, a member may start 1.5x its exchanges and 3 more)
     assert applied > 80 and victim.trainer.stats["average_refused"] == 0
+    assert dragged < 30  # the seeds are not its own choice: one in ten covers the biases
     gap = float(np.abs(victim.learner.params[coords] - honest.learner.params[coords]).max())
-    assert gap < 3.0  # (before the clip at the median: 22)
+    assert gap < 0.5  # (before the clip at the median and the seed chains: 22)
     assert victim.learner.evaluate() < honest.learner.evaluate() + 0.3  # (before: +2.8)
     assert victim.trainer.stats["average_applied"] > applied + 50  # it averages on with all
 
 
 def test_a_member_gets_at_most_its_share_of_a_nodes_exchanges():
-    victim, honest, coords, applied = _drag(6, 200)
+    victim, honest, coords, applied, _ = _drag(6, 200)
     assert applied < 200 / 2  # the rest declined: it was far ahead of the others
     # (and the member's own, honest requests as well, while its flood fills its share)
     assert victim.trainer.stats["average_declined_crowded"] >= 200 - applied
     gap = float(np.abs(victim.learner.params[coords] - honest.learner.params[coords]).max())
-    assert gap < 1.5
+    assert gap < 0.3
+    assert victim.trainer.stats["average_declined_seed"] == 0  # it followed the chain
 
 
 @pytest.mark.parametrize("peers", [2, 3, 5])

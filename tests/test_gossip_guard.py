@@ -11,11 +11,11 @@ import pytest
 from p2ptrain.proto.events import RemoteError, Send
 from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.guard import MIN_DISTANCES, DistanceGuard
-from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
+from p2ptrain.proto.gossip.messages import AverageReply
 from p2ptrain.proto.node import NodeConfig
 from tests.cluster.harness import Network
 from tests.cluster.training import TrainingCluster
-from tests.test_node import MODEL, assert_same, envelope_from, learner, state
+from tests.test_node import MODEL, assert_same, chained, envelope_from, learner, state
 
 FP16_MAX = 65504.0
 
@@ -43,12 +43,10 @@ def test_an_averaging_request_of_huge_values_is_refused_and_changes_nothing(aver
     c.run_until(6.0)
     node = c.training_node(0)
     assert node.phase == "training" and node.trainer.stats["average_applied"] >= 1
-    seed = 4242
-    parts = node.trainer.plan.parts(seed)
-    chunks = _snapshot(c, 1, np.full(MODEL.space.size, value, np.float32), seed)
-    env = envelope_from(c, 1, 0, AverageRequest(seed, 3, {}, chunks, 0, parts))
     before = state(node)
-    actions = c.inject(0, env, c.nodes[1].info.addr)
+    seed, actions = chained(c, 1, 0, lambda s: _snapshot(
+        c, 1, np.full(MODEL.space.size, value, np.float32), s), 4242, step=3)
+    parts = node.trainer.plan.parts(seed)
     # refused with the reason, and declined in a reply at once: the initiator does not wait
     # out its averaging timeout (an honest node far behind tries again, see the fallback)
     assert [type(a) for a in actions] == [RemoteError, Send]
@@ -136,11 +134,9 @@ def test_a_zero_median_is_no_median():
 def test_a_refused_request_is_answered_only_by_a_decline_to_its_member():
     c = _cluster()
     c.run_until(6.0)
-    seed = 7
-    parts = c.training_node(0).trainer.plan.parts(seed)
-    chunks = _snapshot(c, 1, np.full(MODEL.space.size, FP16_MAX, np.float32), seed)
-    env = envelope_from(c, 1, 0, AverageRequest(seed, 3, {}, chunks, 0, parts))
-    sends = [a for a in c.inject(0, env, c.nodes[1].info.addr) if type(a) is Send]
+    _, actions = chained(c, 1, 0, lambda s: _snapshot(
+        c, 1, np.full(MODEL.space.size, FP16_MAX, np.float32), s), 7, step=3)
+    sends = [a for a in actions if type(a) is Send]
     assert len(sends) == 1 and sends[0].to == c.nodes[1].info.node_id and sends[0].reply
     assert type(sends[0].envelope.body) is AverageReply and sends[0].envelope.body.chunks == ()
 

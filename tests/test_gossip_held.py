@@ -16,16 +16,25 @@ from p2ptrain.proto.gossip.config import GossipConfig
 from p2ptrain.proto.gossip.exchange import HELD_FLOOR, held_capacity
 from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
 from p2ptrain.proto.gossip.plan import AveragingPlan
-from tests.test_node import MODEL, cluster, envelope_from
+from tests.test_node import MODEL, chained, cluster, envelope_from
+
+
+def snapshot_of(c, i: int, shift: float = 0.0, part: int = 0):
+    """Node i's replica (+ shift) as an averaging snapshot, for a seed."""
+    def chunks(seed: int) -> tuple[bytes, ...]:
+        peer = c.training_node(i)
+        peer.trainer.initiator.begin(peer.learner.params + np.float32(shift), seed, part)
+        out = tuple(bytes(m) for m in peer.trainer.initiator.messages(
+            bytes.fromhex(peer.node_id), 0))
+        peer.trainer.initiator.abort()
+        return out
+    return chunks
 
 
 def request_from(c, i: int, to: int, seed: int, shift: float = 0.0, part: int = 0, parts=1):
-    """An averaging request of node i's replica (+ shift) for node `to`."""
-    peer = c.training_node(i)
-    peer.trainer.initiator.begin(peer.learner.params + np.float32(shift), seed, part)
-    chunks = tuple(bytes(m) for m in peer.trainer.initiator.messages(
-        bytes.fromhex(peer.node_id), 0))
-    peer.trainer.initiator.abort()
+    """An averaging request of node i's replica (+ shift) for node `to` (not following a
+    pair's seed chain: the first of the pair, or a later part)."""
+    chunks = snapshot_of(c, i, shift, part)(seed)
     return envelope_from(c, i, to, AverageRequest(seed, 0, {}, chunks, part, parts))
 
 
@@ -147,8 +156,8 @@ def test_half_steps_held_during_a_step_never_move_a_replica_past_the_peers():
     c.run_until(3.0)  # node 0 is inside a 10 s step
     node = c.training_node(0)
     before = node.learner.params.copy()
-    answered = [bool(replies(c.inject(0, request_from(c, 1, 0, 100 + k, 0.05),
-                                      c.nodes[1].info.addr))[0].chunks) for k in range(40)]
+    answered = [bool(replies(chained(c, 1, 0, snapshot_of(c, 1, 0.05), 100 + k)[1])[0].chunks)
+                for k in range(40)]
     target = c.training_node(1).learner.params + np.float32(0.05)
     assert all(answered)  # answered (the peer's half), but only two half steps are held
     assert [p for _, _, p in node.trainer.held.pulls] == [HELD_PULL / 2] * 2

@@ -90,6 +90,23 @@ def envelope_from(c: TrainingCluster, i: int, to: int, body) -> Envelope:
     return c.training_node(i).control.wrap(target.node_id, target.addr, body).envelope
 
 
+def chained(c: TrainingCluster, i: int, to: int, chunks_of, fresh: int = 777, step: int = 0,
+            parts: int | None = None) -> tuple[int, list]:
+    """Inject into node `to` node i's averaging request whose seed follows the pair's chain
+    (seeds.py; `fresh` while none is open), the snapshot `chunks_of(seed)`; node i's chain
+    takes the answer. Returns (the seed, the injection's actions)."""
+    t, target = c.training_node(i).trainer, c.nodes[to].info.node_id
+    seed, reveal, commit = t.seeds.opening(target, fresh)
+    parts = t.plan.parts(seed) if parts is None else parts
+    body = AverageRequest(seed, step, {}, chunks_of(seed), 0, parts, None, reveal, commit)
+    actions = c.inject(to, envelope_from(c, i, to, body), c.nodes[i].info.addr)
+    for a in actions:
+        if type(a) is Send and type(a.envelope.body) is AverageReply:
+            reply = a.envelope.body
+            t.seeds.answered(target, reply.seed, reply.grant, reply.reseed)
+    return seed, actions
+
+
 def gradient_chunk(sender: str, x: np.ndarray, weight: float = BATCH, codec=None) -> bytes:
     """A gradient chunk in `codec` (default: the swarm's, as `cluster` configures it)."""
     codec = GossipConfig().make_codec() if codec is None else codec
@@ -169,15 +186,15 @@ def test_averaging_answered_during_a_step_is_applied_when_it_ends():
     peer.learner.params += 0.5  # make the replicas differ
     before = node.learner.params.copy()
 
-    def request(seed):
+    def snapshot(seed):
         peer.trainer.initiator.begin(peer.learner.params, seed)
         chunks = tuple(bytes(m) for m in peer.trainer.initiator.messages(
             bytes.fromhex(peer.node_id), 0))
         peer.trainer.initiator.abort()
-        return envelope_from(c, 1, 0, AverageRequest(seed, 0, {}, chunks))
+        return chunks
 
-    for seed in (12345, 777):  # two requests in one step: both answered at once
-        actions = c.inject(0, request(seed), c.nodes[1].info.addr)
+    for fresh in (12345, 777):  # two requests in one step: both answered at once
+        _, actions = chained(c, 1, 0, snapshot, fresh)
         replies = [a for a in actions if type(a) is Send
                    and type(a.envelope.body) is AverageReply]
         assert len(replies) == 1 and replies[0].reply and replies[0].envelope.body.chunks

@@ -237,7 +237,7 @@ class Runtime:
         seed = int.from_bytes(hashlib.sha256(
             f"{self.node_id}/{self.identity.incarnation}".encode()).digest()[:8], "big")
         return Node(self.settings.proto(), self.me, self.learner, self.settings.node,
-                    incarnation=self.identity.incarnation, now=self.now(),
+                    incarnation=self.identity.incarnation, now=self.now(), secret=os.urandom(32),
                     rng=random.Random(seed), joined=joined, term_floor=max(
                         read_term(self.state_dir / TERM_FILE), self.resumed_term))
 

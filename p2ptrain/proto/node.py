@@ -110,7 +110,8 @@ class Node:
 
     def __init__(self, proto: ProtoConfig, me: MemberInfo, learner: Learner,
                  config: NodeConfig | None = None, *, incarnation: int, now: float,
-                 rng: random.Random, term_floor: int = 0, joined: bool = False):
+                 rng: random.Random, term_floor: int = 0, joined: bool = False,
+                 secret: bytes = b""):
         if learner.node_id != me.node_id:
             raise LocalProtocolError("the learner trains under another node id")
         self.config = config = config or NodeConfig()
@@ -120,7 +121,7 @@ class Node:
         self.control.baseline_samples(learner.count.as_dict())  # the start state: trusted
         self.trainer = GossipTrainer(config.gossip, learner, np.random.default_rng(
             rng.getrandbits(64)), average_timeout=config.average_timeout,
-            chunk_elems=config.chunk_elems)
+            chunk_elems=config.chunk_elems, secret=secret)
         self.trainer.rate_of = self.trainer.mixer.rate_of = self.control.sample_rate
         self.trainer.life_of = self.control.life_of  # an exchange with a partner gone ends
         # joining: averaging requests are declined (no peer is pulled toward weights this node

@@ -62,6 +62,7 @@ from p2ptrain.proto.events import Deliver, Discovered, Received, RemoteError, Se
 from p2ptrain.proto.gossip.averaging import ParameterAverager, read_snapshot
 from p2ptrain.proto.gossip.config import flops_per_coordinate
 from p2ptrain.proto.gossip.messages import AverageReply, AverageRequest
+from p2ptrain.proto.gossip.seeds import Seeds
 from p2ptrain.proto.messages import (
     Claim,
     Envelope,
@@ -114,6 +115,7 @@ class Hostile:
                                                                            n))
         self.averager = ParameterAverager(plan, self.settings.node.chunk_elems or DEFAULT_CHUNK)
         self.plan = plan
+        self.chains = Seeds(self.node_id, os.urandom(32))  # its side of the pairs' seed chains
         self._write_wrecked_checkpoint()
 
     # -- the wrecked checkpoint (item 13) ---------------------------------------------------------
@@ -211,6 +213,9 @@ class Hostile:
     def _gossip(self, action: Deliver, sender: str) -> Send | None:
         """Averaging requests are answered with the poisoned snapshot (item 10)."""
         body = action.envelope.body
+        if isinstance(body, AverageReply) and body.part == 0:  # follow the seed chains, so
+            self.chains.answered(sender, body.seed, body.grant, body.reseed)  # its requests
+            return None  # reach the distance guard
         if not isinstance(body, AverageRequest):
             self.count(f"ignored_{type(body).__name__}")
             return None
@@ -279,7 +284,7 @@ class Hostile:
                 self._send(i, info.addr, Notify(), samples=value)
                 self._send(i, info.addr, listing, samples=value)
         elif kind == "average":
-            seed = rng.getrandbits(62)
+            seed, reveal, commit = self.chains.opening(victim_id, rng.getrandbits(52))
             parts = self.plan.parts(seed)
             self.averager.begin(self.poison.copy(), seed, 0)
             chunks = tuple(bytes(c) for c in self.averager.messages(
@@ -287,7 +292,7 @@ class Hostile:
             self.averager.abort()
             self._record(kind, target=victim_id, value=FP16_MAX, parts=parts)
             self._send(victim_id, victim.addr, AverageRequest(
-                seed, 0, self.ctl.sample_counts(), chunks, 0, parts))
+                seed, 0, self.ctl.sample_counts(), chunks, 0, parts, None, reveal, commit))
         return 0.0
 
     async def heartbeats(self) -> None:

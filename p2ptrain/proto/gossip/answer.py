@@ -46,10 +46,12 @@ def strike(t: Any, now: float, peer: str, held: float) -> None:
     t.benched[peer] = (n, max(now + min(rest, MAX_REST), t.benched.get(peer, (0, 0.0))[1]))
 
 
-def declines(t: Any, sender: str) -> str | None:
-    """Why `t` declines `sender`'s request whatever it holds (None: it need not): it crosses
-    the exchange `t` opened with it, or `sender` has its share of `t`'s recent exchanges
-    (guard.py's `crowded`)."""
+def declines(t: Any, sender: str, body: AverageRequest) -> str | None:
+    """Why `t` declines `sender`'s request whatever it holds (None: it need not): its seed
+    does not follow the pair's chain (seeds.py), it crosses the exchange `t` opened with it,
+    or `sender` is far ahead of `t`'s other recent partners (guard.py's `crowded`)."""
+    if not t.seeds.check(sender, body.seed, body.part, body.reveal):
+        return "seed"
     if crossing(t, sender):
         return "crossing"
     if t.guard.crowded(sender):
@@ -75,18 +77,22 @@ def respond(t: Any, now: float, sender: str, addr: str, body: AverageRequest,
     half a swap."""
     learner = t.learner
     chunks: tuple[bytes, ...] = ()
+    why, grant = None, 0
     if not decline and busy and not t.held.room(t._part_size(body.seed, body.part)):
         decline = True  # its half step could not be held until the step boundary
         t.stats["average_declined_held_full"] += 1
-    elif not decline and (why := declines(t, sender)) is not None:
+    elif not decline and (why := declines(t, sender, body)) is not None:
         decline = True
         t.stats[f"average_declined_{why}"] += 1
-    if not decline:  # a read: allowed while busy
+    if why == "seed":  # a new chain, if the initiator's last began long enough ago
+        grant = t.seeds.refused(sender, now, body.part, body.commit)
+    elif not decline:  # a read: allowed while busy
         t.responder.begin(learner.params, body.seed, body.part)
         chunks = tuple(bytes(c) for c in t.responder.messages(t.sender, learner.count.total))
+        grant = t.seeds.taken(sender, body.seed, body.part, body.commit)
     out.append(Out(sender, addr, AverageReply(body.seed, learner.step, learner.count.as_dict(),
-                                              chunks, body.part, body.parts, t.loss),
-                   reply=True))
+                                              chunks, body.part, body.parts, t.loss, grant,
+                                              why == "seed" and not grant), reply=True))
     if decline:
         t.stats["average_declined_by_us"] += 1
         return

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from p2ptrain.proto.gossip.seeds import NONCE_BYTES
 from p2ptrain.proto.messages import Body, register
 from p2ptrain.proto.records import check_count, check_node_id
 
@@ -100,6 +101,8 @@ class AverageRequest(Body):
     part: int = 0  # which part of the exchange (each part is averaged on its own)
     parts: int = 1  # how many parts the exchange has
     loss: float | None = None  # initiator's latest training loss (None before its first step)
+    reveal: bytes = b""  # the nonce the seed was derived from (seeds.py); b"": none yet
+    commit: bytes = b""  # commitment to the nonce of the pair's next exchange (first parts)
 
     def check(self) -> None:
         check_count(self.seed, "seed")
@@ -108,6 +111,8 @@ class AverageRequest(Body):
         _check_part(self.part, self.parts)
         if not 1 <= len(self.chunks) <= MAX_CHUNKS:
             raise ValueError(f"an averaging request needs 1..{MAX_CHUNKS} chunks")
+        if len(self.reveal) not in (0, NONCE_BYTES) or len(self.commit) not in (0, 16):
+            raise ValueError("an averaging request's nonce or commitment has a wrong length")
 
 
 @register(35)
@@ -123,9 +128,12 @@ class AverageReply(Body):
     part: int = 0
     parts: int = 1
     loss: float | None = None
+    grant: int = 0  # the responder's part of the pair's next seed (seeds.py); 0: none
+    reseed: bool = False  # the request's seed did not follow: start the pair's chain anew
 
     def check(self) -> None:
         check_count(self.seed, "seed")
+        check_count(self.grant, "grant")
         _check_progress(self.step, self.loss)
         _check_counts(self.counts)
         _check_part(self.part, self.parts)

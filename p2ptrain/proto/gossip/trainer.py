@@ -75,14 +75,13 @@ from p2ptrain.proto.gossip.messages import (
 from p2ptrain.proto.gossip.mixer import GradientMixer, MixReport, gradient_encoder
 from p2ptrain.proto.gossip.outer import OuterOptimizer, outer_step
 from p2ptrain.proto.gossip.peers import PeerTable, fast_pair, fast_partners
-from p2ptrain.proto.gossip.plan import FAST_PAIR
+from p2ptrain.proto.gossip.seeds import MAX_SEED, Seeds
 from p2ptrain.proto.gossip.tracking import Tracker, track_step
 from p2ptrain.proto.messages import Body, Out
 
 if TYPE_CHECKING:
     from p2ptrain.learner import Learner
 
-MAX_SEED = 2**53  # exchange seeds stay exact in JSON
 OUTER_STALENESS = 2**62  # outer steps mix every pseudo-gradient that arrived since the last
 
 
@@ -94,7 +93,7 @@ class GossipTrainer:
     """Gradient gossip and parameter averaging around one learner; see the module docstring."""
 
     def __init__(self, config: GossipConfig, learner: Learner, rng: np.random.Generator, *,
-                 average_timeout: float, chunk_elems: int):  # NodeConfig holds the defaults
+                 average_timeout: float, chunk_elems: int, secret: bytes = b""):
         self.n = n = int(learner.params.shape[0])
         self.config, self.learner, self.node_id = config, learner, learner.node_id
         self.sender = bytes.fromhex(learner.node_id)  # raw id in codec chunk headers
@@ -115,6 +114,9 @@ class GossipTrainer:
         self.responder = ParameterAverager(self.plan, chunk_elems, anchor=anchor)  # we answer
         self.peers = PeerTable()  # RTT and bandwidth per peer: how push targets are chosen
         self.guard = config.distance_guard()  # which averaging snapshots are too far
+        self.seeds = Seeds(self.node_id, secret or self.sender)  # the pairs' seed chains (the
+        # runtime passes a secret of the OS; without, e.g. simulated, draws are predictable)
+        self.opening = [b"", b""]  # the open exchange's nonce revealed, its commitment
         self.exchange: Exchange | None = None
         # peers that are no partner of ours for now -> (when we answered one of its requests,
         # until when): just averaged with (at least until our next step), or our reply perhaps
@@ -158,11 +160,14 @@ class GossipTrainer:
                 type(body) is TrackPush and self.tracker is not None) else None
         if isinstance(body, GradientPush | GradientReply):  # refused before any header use
             return self.mixer.admit(body.chunk, raw_id)
+        if isinstance(body, AverageReply) and body.part == 0:  # the pair's seed chain: moved
+            self.seeds.answered(sender, body.seed, body.grant, body.reseed)  # if we refuse it
         if isinstance(body, AverageReply) and not body.chunks:
             return None
         snap = read_part(self.plan, self.initiator.codec, raw_id, body.chunks, body.seed,
                          body.part, body.parts)
-        if isinstance(body, AverageRequest) and not decline and declines(self, sender) is None:
+        if (isinstance(body, AverageRequest) and not decline
+                and declines(self, sender, body) is None):
             self.responder.begin(self.learner.params, body.seed, body.part)  # a read
             try:
                 distance = self.responder.distance(snap)
@@ -356,11 +361,11 @@ class GossipTrainer:
         if peer is None:  # no partner's progress observed yet: wait for the next due step
             self.stats["average_waited"] += 1
             return
-        seed = int(self.rng.integers(0, MAX_SEED))
+        fast = None
         if self.plan.slow_fraction is not None:  # the seed says which share it covers
             fast = rate_of is not None and fast_pair(
                 rate_of(self.node_id), rate_of(peer), (rate_of(p) for p in addrs if p != peer))
-            seed = seed | FAST_PAIR if fast else seed & ~FAST_PAIR
+        seed, *self.opening = self.seeds.opening(peer, int(self.rng.integers(0, MAX_SEED)), fast)
         self._send_part(now, peer, addrs[peer], seed, 0, self.plan.parts(seed), now, out)
         self.stats["average_started"] += 1
 
@@ -382,7 +387,8 @@ class GossipTrainer:
         self.stats["average_parts_sent"] += 1
         self.stats["average_bytes_sent"] += self.exchange.sent
         out.append(Out(peer, addr, AverageRequest(seed, learner.step, learner.count.as_dict(),
-                                                  chunks, part, parts, self.loss)))
+                                                  chunks, part, parts, self.loss,
+                                                  *(self.opening[:2] if part == 0 else ()))))
 
     # -- timers -------------------------------------------------------------------------------
 
