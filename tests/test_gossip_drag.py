@@ -21,7 +21,7 @@ from tests.test_node import CORPUS, chained
 HEAD_B = 12320  # where head.b starts in the byte model's vector (MODEL.space)
 
 
-def _drag(n: int, requests: int):
+def _drag(n: int, requests: int, every: int = 0, report=None):
     """Node 1 sends node 0 one request per step of node 0 (0.5 s), its seed following the
     pair's chain (seeds.py): when the seed's subset holds the output biases of the ten most
     frequent bytes, its snapshot is its own replica but for those, each put `per` below node
@@ -55,6 +55,8 @@ def _drag(n: int, requests: int):
         chained(c, 1, 0, snapshot, 1000 + k, step=attacker.learner.step)
         applied += victim.trainer.stats["average_answered"] - before
         c.run_for(0.5)
+        if report is not None and (k + 1) % every == 0:
+            report(victim, honest, coords, applied, dragged, k + 1)
     return victim, honest, coords, applied, dragged
 
 

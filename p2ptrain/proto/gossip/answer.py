@@ -3,8 +3,10 @@ averaging request, answered from a snapshot of the replica's covered coordinates
 and an outbound-only member's gradient push, answered with this node's latest gradient.
 
 A request is declined while the node joins (`decline`), when its half step could not be held
-until the step boundary (a step is outstanding and the held store is full), when its sender
-has its share of the node's recent exchanges (guard.py's `crowded`), and when it crosses the
+until the step boundary (a step is outstanding and the held store is full), when its seed
+does not follow the pair's chain (seeds.py: the reply grants a new chain, or tells the
+initiator to start over), when its sender started far more of the node's recent exchanges
+than their other partners had (guard.py's `crowded`), and when it crosses the
 exchange this node opened with the same peer and still waits on: each side's half step is
 taken from the two snapshots, so answering both would move each replica all the way to the
 other's -- they would swap and stay as far apart. The node with the smaller id declines; the

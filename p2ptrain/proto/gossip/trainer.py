@@ -5,7 +5,8 @@ After each local step (`step`): encode the own gradient (with error feedback), p
 `fanout` peers the caller found eligible (chosen by `PeerTable`, favouring fast links), mix it
 with the peer gradients queued since the last step (`GradientMixer`: sample-count weights,
 staleness in swarm samples, median-norm clipping), apply AdamW (`learner.apply_gradient`),
-and every `average_every` steps open a push-pull averaging exchange with one peer (moving
+and every `average_every` steps open a push-pull averaging exchange with one peer (its seed,
+which chooses the coordinates covered, drawn with that peer: seeds.py; moving
 by `pull_share` of the two nodes' sample rates, as `rate_of` -- the node's -- observes them).
 The partner is drawn by link speed and its rate to `average_draw_power`; with
 `average_known_rates`, only among peers whose rate is observed (none yet: not this time).
@@ -150,7 +151,8 @@ class GossipTrainer:
     def parse(self, sender: str, body: Body, decline: bool = False
               ) -> tuple[Message, float] | PeerSnapshot | None:
         """Check a gossip body from `sender` completely, changing nothing (but drop and
-        refusal counts); CodecError names the first defect. Returns the admitted chunk and its
+        refusal counts, and the seed chain a reply moves: seeds.py); CodecError names the
+        first defect. Returns the admitted chunk and its
         squared norm (gradients), the peer snapshot (averaging) or None (a reply that
         declines). An averaging snapshot this node would apply (a request it will not
         `decline`, the reply its open exchange waits for) must pass the distance guard."""
