@@ -207,3 +207,21 @@ def test_the_history_is_gzipped_only_for_a_client_that_takes_it(header, gzip):
     from p2ptrain.net.dashboard import accepts_gzip
 
     assert accepts_gzip(header) is gzip
+
+
+def test_events_carry_no_absolute_paths():
+    """GET /v1/history is open by default: a log line naming a file of the state directory
+    (an OS error's, a fetched base's) said where the node keeps its files, and whose home
+    it is, to anyone on the network. Paths are cut to their last part; routes stay."""
+    clock = iter(float(t) for t in range(100))
+    reporter = Reporter("text", out=io.StringIO(), err=io.StringIO())
+    watch = Watch(reporter, lambda: next(clock))
+    reporter.warn("checkpoint not written (timed): no space left on device: "
+                  "'/home/ann/.local/state/p2ptrain/checkpoints/.tmp-step-5'",
+                  event="checkpoint_failed")
+    reporter.info("base made in /srv/p2p/bases/rwkv-1b/ from GET /v1/base", event="base")
+    watch.close()
+    messages = [r["message"] for r in watch.history.events.recent()]
+    assert messages == ["checkpoint not written (timed): no space left on device: "
+                        "'.../.tmp-step-5'", "base made in .../rwkv-1b from GET /v1/base"]
+    assert "ann" in reporter.err.getvalue()  # the node's own output keeps them

@@ -11,6 +11,7 @@ again) gives no rate for that interval rather than a negative one.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import deque
 from typing import Any
@@ -23,6 +24,15 @@ RATE_OF = {"in_per_s": "bytes_in", "out_per_s": "upload_bytes",
            "samples_per_s": "swarm_samples"}
 # events the charts already show, or that repeat every few seconds: never listed
 QUIET_EVENTS = frozenset({"progress", "eval", "fetch_progress"})
+# an absolute path in a log message: GET /v1/history is open by default, and the node's
+# paths (its state directory, the user's home) are not the network's business (routes stay)
+_PATH = re.compile(r"(?<![\w/.~:-])/(?!v1/)[^\s'\"()\[\]{},;]+")
+
+
+def redact(message: str) -> str:
+    """`message` with each absolute path cut to its last part (".../step-100")."""
+    return _PATH.sub(lambda m: ".../" + (m.group(0).rstrip("/").rsplit("/", 1)[-1] or ""),
+                     message)
 
 
 def rate(earlier: tuple[float, float | None], later: tuple[float, float | None]
@@ -103,8 +113,9 @@ class Rates:
 
 
 class Events:
-    """The last `capacity` events worth showing a person (not QUIET_EVENTS). An event that
-    repeats the one before it (same kind and message) counts up instead of taking a row.
+    """The last `capacity` events worth showing a person (not QUIET_EVENTS), absolute paths
+    cut to their last part (`redact`). An event that repeats the one before it (same kind
+    and message) counts up instead of taking a row.
     Log lines may come from any thread: a lock guards the list."""
 
     def __init__(self, capacity: int = 100):
@@ -114,6 +125,7 @@ class Events:
     def add(self, t: float, level: str, event: str, message: str) -> None:
         if event in QUIET_EVENTS:
             return
+        message = redact(message)
         with self.lock:
             last = self.rows[-1] if self.rows else None
             if last and (last["event"], last["message"]) == (event, message):
