@@ -26,15 +26,14 @@ class FakePlan:
 class Snap(NamedTuple):
     views: str
     term: int
-
-    @property
-    def step(self) -> int:  # what the write's report names
-        return 7
+    step: int = 7  # what the write's report names
 
 
 class FakeLearner:
+    step = 7
+
     def snapshot(self, term: int):
-        return Snap("live views", term)
+        return Snap("live views", term, self.step)
 
 
 class FakeReporter:
@@ -78,7 +77,7 @@ def test_a_write_reads_the_live_buffers_and_holds_back_what_would_change_them():
             assert not saver.writing and not saver.deferred
 
     asyncio.run(scenario())
-    assert written == [("live views", 1)]
+    assert written == [("live views", 1, 7)]
     assert log == [("step", (1, 2.5, None)), ("reading", True), ("reading", False),
                    ("step", (2, 2.4, None))]
 
@@ -97,11 +96,17 @@ def test_a_final_save_asked_for_during_a_write_is_written_when_it_ends():
         return Path(f"ckpt-{len(written)}")
 
     async def scenario() -> None:
+        learner = FakeLearner()
+
+        def applied(*args) -> None:  # the held step, applied at the write's end
+            log.append(("step", args))
+            learner.step = args[0]
+
         with ThreadPoolExecutor(1) as pool:
-            saver = Saver(FakeLearner(), write, pool, lambda: 0.0, reporter,
+            saver = Saver(learner, write, pool, lambda: 0.0, reporter,
                           lambda name: log.append(name), lambda _n: None, FakePlan(),
                           lambda active: log.append(("reading", active)))
-            step_done = saver.after_write(lambda *args: log.append(("step", args)))
+            step_done = saver.after_write(applied)
             saver.save(term=3, reason="local")
             step_done(9, 2.0, None)  # held for the write
             saver.save(term=3, reason="local")  # a periodic one: skipped
@@ -113,7 +118,37 @@ def test_a_final_save_asked_for_during_a_write_is_written_when_it_ends():
             assert not saver.writing
 
     asyncio.run(scenario())
-    assert written == [("live views", 3), ("live views", 3)]
+    assert written == [("live views", 3, 7), ("live views", 3, 9)]
     assert log == [("reading", True), "checkpoints_skipped_busy", ("reading", False),
                    ("step", (9, 2.0, None)), ("reading", True), ("reading", False)]
     assert reporter.lines[-1] == "checkpoint ckpt-2 written in 0.00s (leader, final)"
+
+
+def test_a_final_save_of_the_step_and_term_just_written_writes_nothing_again():
+    """The run's end, right after a timed or a leader's write of the same step: the final
+    save wrote the whole replica again (12 GB at 1B for nothing). Another term's is written:
+    the final checkpoint is stamped with the term the node ends in."""
+    written: list = []
+
+    def write(snap, progress=None) -> Path:
+        written.append(snap.term)
+        return Path(f"ckpt-t{snap.term:06d}-s0000000007")
+
+    async def scenario() -> list[str]:
+        reporter = FakeReporter()
+        with ThreadPoolExecutor(1) as pool:
+            saver = Saver(FakeLearner(), write, pool, lambda: 0.0, reporter,
+                          lambda _name: None, lambda _n: None, FakePlan(), lambda _a: None)
+            saver.save(term=1)
+            saver.save(term=1, final=True)  # asked during the write: waits for its end
+            await saver.wait(5)
+            await asyncio.sleep(0.05)
+            await saver.wait(5)
+            saver.save(term=1, final=True)
+            saver.save(term=2, final=True)
+            await saver.wait(5)
+        return reporter.lines
+
+    lines = asyncio.run(scenario())
+    assert written == [1, 2]
+    assert sum("is the final one" in line for line in lines) == 2

@@ -8,7 +8,8 @@ half steps are held, a finished step waits to be applied) while the next gradien
 computed. One write at a time: a save asked for while one is running is skipped and counted
 (the next one comes soon) -- but for a final one (the leader's at the run's end), which is
 written when that write ends: a periodic write in progress must not cost the run its last
-checkpoint. A write that fails (a full disk) is one warning line; training goes on
+checkpoint -- and not at all when the last write done was of the same step and term (a timed
+or leader's write of the run's last step). A write that fails (a full disk) is one warning line; training goes on
 and the save is retried after a back-off that doubles up to RETRY_MAX (any save meanwhile, a
 periodic or a leader's one, takes the retry's place). A driver: threads and files.
 """
@@ -55,6 +56,7 @@ class Saver:
         self.retry: asyncio.TimerHandle | None = None  # the retry of a failed write
         self.closed = ""  # why no more checkpoints are written ("": they are)
         self.lost = False  # a final write failed and none was written since
+        self.written: tuple[int, int] | None = None  # (step, term) of the last write done
 
     @property
     def seconds(self) -> float:
@@ -76,6 +78,10 @@ class Saver:
             self.retry.cancel()
             self.retry = None
         snap = self.learner.snapshot(term)  # views of the live buffers
+        if final and self.written == (snap.step, term):  # (a timed or leader's write of the
+            self.reporter.info(f"the checkpoint of step {snap.step} is the final one",  # last
+                               event="checkpoint", step=snap.step, term=term, final=True)
+            return  # step: at 1B, 12 GB written again for nothing)
         self.count += 1
         progress = self.fault(self.count)
         started = self.now()
@@ -117,7 +123,7 @@ class Saver:
         except Exception as exc:
             self._failed(exc, term, reason, final)
             return
-        self.failures, self.lost = 0, False
+        self.failures, self.lost, self.written = 0, False, (step, term)
         self.reporter.info(f"checkpoint {path.name} written in {self.seconds:.2f}s "
                            f"({reason}{', final' if final else ''})", event="checkpoint",
                            path=str(path), step=step, term=term, final=final)
