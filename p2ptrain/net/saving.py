@@ -8,10 +8,11 @@ half steps are held, a finished step waits to be applied) while the next gradien
 computed. One write at a time: a save asked for while one is running is skipped and counted
 (the next one comes soon) -- but for a final one (the leader's at the run's end), which is
 written when that write ends: a periodic write in progress must not cost the run its last
-checkpoint -- and not at all when the last write done was of the same step and term (a timed
-or leader's write of the run's last step). A write that fails (a full disk) is one warning line; training goes on
-and the save is retried after a back-off that doubles up to RETRY_MAX (any save meanwhile, a
-periodic or a leader's one, takes the retry's place). A driver: threads and files.
+checkpoint -- and not at all when the last write done was of the same step and term (a
+timed or leader's write of the run's last step). A write that fails (a full disk) is one
+warning line; training goes on and the save is retried after a back-off that doubles up to
+RETRY_MAX (any save meanwhile, a periodic or a leader's one, takes the retry's place). A
+driver: threads and files.
 """
 
 from __future__ import annotations
