@@ -133,3 +133,32 @@ def test_a_peer_alone_is_never_crowded():
     for _ in range(3 * SHARE_WINDOW):
         guard.applied("a", 0.01)
     assert not guard.crowded("a")
+
+
+def test_an_exchange_counts_once_and_one_taken_goes_on():
+    """A 1B model's exchange travels as ~50 parts: counted a part each, one honest exchange
+    crowded its own initiator out half-way. It counts once, and later parts of an exchange
+    already taken are never declined for the share."""
+    from p2ptrain.proto.gossip.answer import declines
+    from p2ptrain.proto.gossip.messages import AverageRequest
+
+    guard = DistanceGuard(10.0, 16, 1.0, 3)
+    for _ in range(4):
+        guard.applied("other", 0.01)
+        guard.applied("big", 0.01, theirs=True)  # a first part...
+        for _ in range(49):
+            guard.applied("big", 0.01, theirs=True, first=False)  # ...and the rest
+    assert not guard.crowded("big")
+    c = _cluster(4)
+    c.run_until(3.0)
+    t = c.training_node(0).trainer
+    peer = c.nodes[1].info.node_id
+    for _ in range(SHARE_WINDOW):
+        t.guard.applied(peer, 0.01, theirs=True)
+    t.guard.applied(c.nodes[2].info.node_id, 0.01)
+    assert t.guard.crowded(peer)
+    t.seeds.parts[peer] = (99, 0)  # its exchange 99's first part was taken
+    assert declines(t, peer, AverageRequest(99, 0, {}, (b"x",), 1, 3)) is None
+    t.seeds.theirs.pop(peer, None)  # (a first exchange: any seed follows)
+    t.exchange = None  # (none of ours crosses it)
+    assert declines(t, peer, AverageRequest(5, 0, {}, (b"x",), 0, 3)) == "crowded"

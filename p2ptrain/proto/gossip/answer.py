@@ -56,7 +56,7 @@ def declines(t: Any, sender: str, body: AverageRequest) -> str | None:
         return "seed"
     if crossing(t, sender):
         return "crossing"
-    if t.guard.crowded(sender):
+    if body.part == 0 and t.guard.crowded(sender):  # (an exchange taken goes on)
         return "crowded"
     return None
 
@@ -103,7 +103,7 @@ def respond(t: Any, now: float, sender: str, addr: str, body: AverageRequest,
     t.resting[sender] = (now, now + t.peers.give_up(
         sender, sum(len(c) for c in chunks), floor=1e-3, margin=cfg.average_timeout_margin,
         ceiling=cfg.average_timeout_max))
-    t._finish(t.responder, snap, busy)
+    t._finish(t.responder, snap, busy, body.part)
 
 
 def serve_latest(t: Any, sender: str, addr: str, out: list[Out]) -> None:

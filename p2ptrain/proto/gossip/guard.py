@@ -99,9 +99,13 @@ class DistanceGuard:
         started = sum(theirs for p, theirs in self.partners if p == peer)
         return bool(counts) and started >= CROWD_RATIO * max(counts.values()) + CROWD_SLACK
 
-    def applied(self, peer: str, distance: float, theirs: bool = False) -> None:
-        """An exchange with `peer` at `distance` was applied (`theirs`: the peer started it)."""
+    def applied(self, peer: str, distance: float, theirs: bool = False,
+                first: bool = True) -> None:
+        """An exchange (or a part of one: `first` if it is its first) with `peer` at
+        `distance` was applied (`theirs`: the peer started it). An exchange counts once for
+        `crowded`: a 1B model's exchange travels as 50 parts."""
         self.distances.append(distance)
-        self.partners.append((peer, theirs))
+        if first:
+            self.partners.append((peer, theirs))
         self.refused_run = 0
         self.peer_runs.pop(peer, None)

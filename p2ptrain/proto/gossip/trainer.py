@@ -237,7 +237,7 @@ class GossipTrainer:
                 return  # guard is one, and the patience that ends drift needs those to come)
             received = sum(len(c) for c in body.chunks)
             self.peers.observe_transfer(sender, ex.sent, received, now - ex.started, now)
-            self._finish(self.initiator, parsed, busy)
+            self._finish(self.initiator, parsed, busy, ex.part)
             if ex.part + 1 < ex.parts:  # the next part, from a fresh snapshot of it
                 nxt = (ex.peer, ex.addr or addr, ex.seed, ex.part + 1, ex.parts,
                        ex.started if ex.opened is None else ex.opened)
@@ -252,7 +252,8 @@ class GossipTrainer:
         lo, hi = self.plan.part_range(seed, part)
         return hi - lo
 
-    def _finish(self, averager: ParameterAverager, snap: PeerSnapshot, busy: bool) -> None:
+    def _finish(self, averager: ParameterAverager, snap: PeerSnapshot, busy: bool,
+                part: int) -> None:
         """Close `averager`'s exchange: its half step goes to the parameters, or, while a step
         is outstanding, into the held half steps."""
         rate_of = self.rate_of or (lambda node_id: None)
@@ -265,7 +266,8 @@ class GossipTrainer:
             self.stats["average_refused"] += 1
             return
         self.distance = report.distance
-        self.guard.applied(report.peer.hex(), report.distance, averager is self.responder)
+        self.guard.applied(report.peer.hex(), report.distance, averager is self.responder,
+                           part == 0)
         if averager is self.initiator:  # its reply came (its requests prove nothing: a
             self.benched.pop(report.peer.hex(), None)  # silent member may send its own)
         self.stats["average_applied"] += 1
