@@ -14,8 +14,9 @@ So the seed is drawn jointly, by commit and reveal, per ordered pair of nodes:
   exchange, drawn after the commitment arrived;
 - the next request reveals the nonce, and its seed must be `derive(nonce, grant, ...)`: the
   initiator fixed its nonce before it saw the grant, the responder the grant without knowing
-  the nonce, so neither can steer the subset. (The FAST_PAIR bit, which only chooses the
-  share covered, stays the initiator's.)
+  the nonce, so neither can steer the subset. (In a plan with a slow share the FAST_PAIR bit,
+  which chooses the share covered, stays the initiator's -- and with it one of two subsets;
+  without one, every bit must follow.)
 
 The first exchange of a pair -- the responder holds nothing for that initiator (a first
 contact, or either side restarted) -- takes the initiator's own random seed. A request whose
@@ -24,7 +25,8 @@ that says it has nothing to reveal, or fails, starts a new chain (the responder 
 commitment and grants anew) at most once every RESET_GAP seconds per initiator: an honest
 pair whose reply was lost recovers in two exchanges, while a member cannot redraw seeds
 faster than that. A declined request changes nothing, so it is retried with the same seed.
-Parts after the first of an exchange carry its seed, in order, each taken once.
+Parts after the first of an exchange carry its seed, each the one after the last taken: a
+member may not skip to the part that holds its target.
 
 Nonces and grants come from a per-process secret (the runtime's is from the OS; the node's
 generator is seeded from public values) and a counter. Pure: no I/O, no clock (times are
@@ -80,8 +82,9 @@ class Seeds:
     """One node's side of every pair's seed chain: as initiator (`opening`, `answered`) and as
     responder (`check`, `taken`, `refused`)."""
 
-    def __init__(self, me: str, secret: bytes):
+    def __init__(self, me: str, secret: bytes, shares: bool = False):
         self.me = me
+        self.shares = shares  # the plan covers a slow share unless FAST_PAIR: the bit is free
         self._draws = _Draws(secret)
         # initiator side: responder -> (the nonce committed to it, its grant or None)
         self.mine: OrderedDict[str, tuple[bytes, int | None]] = OrderedDict()
@@ -126,13 +129,14 @@ class Seeds:
         follows its chain."""
         if part > 0:
             taken = self.parts.get(peer)
-            return taken is not None and taken[0] == seed and part > taken[1]
+            return taken is not None and taken[0] == seed and part == taken[1] + 1
         held = self.theirs.get(peer)
         if held is None:
             return True  # a first exchange: the initiator's own seed
         commitment, grant = held
+        free = FAST_PAIR if self.shares else 0
         return (len(reveal) == NONCE_BYTES and commit_of(reveal) == commitment
-                and derive(reveal, grant, peer, self.me) | FAST_PAIR == seed | FAST_PAIR)
+                and derive(reveal, grant, peer, self.me) | free == seed | free)
 
     def taken(self, peer: str, seed: int, part: int, commitment: bytes) -> int:
         """A request that followed the chain was applied: the grant for its next exchange

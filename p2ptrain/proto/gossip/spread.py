@@ -12,10 +12,14 @@ coordinates, which the guard sees. And the guard judges the RMS of the clipped d
 the move the exchange would make -- so a replica with a few wrecked coordinates is averaged
 with, not refused, and its honest peers pull those back by the same bound per exchange.
 
-When most coordinates agree exactly the median is 0 (int8 values of close replicas round
-alike): the clip is then at least the highest p with p <= FLOOR x the RMS of the difference
-clipped at p -- the few coordinates that differ still move if they are more than 1 / FLOOR^2
-of them, while a few spikes among zeros stay clipped (their clipped RMS is too small).
+When most coordinates agree (exactly: int8 values of close replicas round alike, so the
+median is 0; or nearly: fp16 replicas averaged on half their coordinates, a quarter or more
+of the values lying beyond SPREAD x the median), the clip is at least the highest p with
+p <= FLOOR x the RMS of the difference clipped at p -- the coordinates that differ still move
+if they are more than 1 / FLOOR^2 of them, while a few spikes among zeros stay clipped
+(their clipped RMS is too small). Only then: as a floor beside the median always, it let
+spikes on 1/64 of the coordinates through whole (a review put ten on the output biases and
+twenty elsewhere: 26x the drag); a member that wants it must move a quarter of them.
 
 The median is taken from a histogram of the float32 bit patterns of |d| (exponent and two
 mantissa bits: four bins an octave), accumulated sub-block by sub-block: no copy of the
@@ -62,12 +66,14 @@ class Spread:
 
     def peak(self) -> float:
         """The largest move of a coordinate before the pull (inf: none is clipped): SPREAD
-        times the upper edge of the bin holding the median, or the floor (`_floor_bin`) if
-        higher; a bin edge either way."""
+        times the upper edge of the bin holding the median, or, when that bin holds 0 or a
+        quarter of the values lie beyond, the floor (`_floor_bin`) if higher; a bin edge."""
         total = int(self.counts.sum())
         cum = np.cumsum(self.counts)
         median_bin = int(np.searchsorted(cum, (total + 1) // 2))
-        b = max(median_bin + 1 + _SPREAD_BINS, self._floor_bin(cum, total))
+        b = min(median_bin + 1 + _SPREAD_BINS, INF_BIN)
+        if median_bin == 0 or 4 * (total - int(cum[b - 1])) >= total:  # two kinds of
+            b = max(b, self._floor_bin(cum, total))  # coordinates, not a few spikes
         return math.inf if b >= INF_BIN else float(_EDGES[b])
 
     def _floor_bin(self, cum: np.ndarray, total: int) -> int:

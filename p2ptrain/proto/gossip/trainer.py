@@ -115,8 +115,8 @@ class GossipTrainer:
         self.responder = ParameterAverager(self.plan, chunk_elems, anchor=anchor)  # we answer
         self.peers = PeerTable()  # RTT and bandwidth per peer: how push targets are chosen
         self.guard = config.distance_guard()  # which averaging snapshots are too far
-        self.seeds = Seeds(self.node_id, secret or self.sender)  # the pairs' seed chains (the
-        # runtime passes a secret of the OS; without, e.g. simulated, draws are predictable)
+        self.seeds = Seeds(self.node_id, secret or self.sender, self.plan.slow_fraction is not None)
+        # (the pairs' seed chains; the runtime's secret is the OS's: simulated, predictable)
         self.opening = [b"", b""]  # the open exchange's nonce revealed, its commitment
         self.exchange: Exchange | None = None
         # peers that are no partner of ours for now -> (when we answered one of its requests,
