@@ -26,9 +26,15 @@ def _pair(shares: bool = False) -> tuple[Seeds, Seeds]:
     return Seeds(I, b"i" * 32, shares), Seeds(R, b"r" * 32, shares)
 
 
+def _open(i: Seeds, fresh: int = 5) -> tuple[int, bytes, bytes]:
+    """`opening` toward R, its hex as bytes."""
+    seed, reveal, commit = i.opening(R, fresh)
+    return seed, bytes.fromhex(reveal), bytes.fromhex(commit)
+
+
 def _exchange(i: Seeds, r: Seeds, now: float = 0.0, fresh: int = 5) -> tuple[int, bool]:
     """One first part from i to r, answered if it follows: (its seed, whether r took it)."""
-    seed, reveal, commit = i.opening(R, fresh)
+    seed, reveal, commit = _open(i, fresh)
     if r.check(I, seed, 0, reveal):
         i.answered(R, seed, r.taken(I, seed, 0, commit), False)
         return seed, True
@@ -53,7 +59,7 @@ def test_an_honest_pair_follows_its_chain_and_its_seeds_are_nobodys_choice():
 def test_a_seed_of_the_initiators_own_choice_is_declined_after_the_first(shares):
     i, r = _pair(shares)
     _exchange(i, r)
-    seed, reveal, commit = i.opening(R, 5)
+    seed, reveal, commit = _open(i)
     assert r.check(I, seed, 0, reveal)
     # the FAST_PAIR bit, which also changes the subset, is the initiator's only in a plan
     # with a slow share (where it says which share is covered)
@@ -69,7 +75,7 @@ def test_a_grant_pairs_with_the_nonce_still_secret_when_it_was_drawn():
     goes with the next nonce, of which it has only seen the commitment."""
     i, r = _pair()
     _exchange(i, r)
-    seed, reveal, commit = i.opening(R, 5)
+    seed, reveal, commit = _open(i)
     i.answered(R, seed, 777, False)  # any grant a responder likes
     nonce, grant = i.mine[R]
     assert grant == 777 and nonce != reveal and commit_of(nonce) == commit
@@ -79,7 +85,7 @@ def test_declines_keep_the_chain_and_a_reply_to_an_older_exchange_is_ignored():
     i, r = _pair()
     _exchange(i, r)
     before = dict(i.mine)
-    seed, _, _ = i.opening(R, 5)
+    seed, _, _ = _open(i)
     i.answered(R, seed, 0, False)  # declined (busy, crowded, crossing): retried alike
     assert i.mine == before and i.opening(R, 5)[0] == seed
     i.answered(R, seed ^ 4, 999, False)  # not our last exchange's
@@ -89,7 +95,7 @@ def test_declines_keep_the_chain_and_a_reply_to_an_older_exchange_is_ignored():
 def test_a_lost_reply_costs_one_exchange_and_a_restart_two():
     i, r = _pair()
     _exchange(i, r)
-    seed, reveal, commit = i.opening(R, 5)
+    seed, reveal, commit = _open(i)
     assert r.check(I, seed, 0, reveal)
     r.taken(I, seed, 0, commit)  # answered, but the reply is lost
     assert _exchange(i, r, now=100.0) == (seed, False)  # declined, a new chain granted
@@ -108,14 +114,14 @@ def test_new_chains_come_at_most_once_every_reset_gap():
     _exchange(i, r)
     grants = 0
     for k in range(100):  # a request that does not follow, every 0.5 s for 50 s
-        seed, reveal, commit = i.opening(R, 5)
+        seed, reveal, commit = _open(i)
         grants += bool(r.refused(I, 0.5 * k, 0, commit))
     assert grants == int(50 / RESET_GAP)
 
 
 def test_later_parts_carry_the_first_parts_seed_in_order_none_skipped_once_each():
     i, r = _pair()
-    seed, reveal, commit = i.opening(R, 5)
+    seed, reveal, commit = _open(i)
     assert not r.check(I, seed, 1, b"")  # no first part taken yet
     assert r.check(I, seed, 0, reveal)
     r.taken(I, seed, 0, commit)
@@ -137,12 +143,13 @@ def test_the_tables_are_bounded():
 
 
 def test_the_wire_checks_nonce_commitment_and_grant():
-    ok = AverageRequest(1, 0, {}, (b"x",), 0, 1, None, b"n" * NONCE_BYTES, b"c" * 16)
+    ok = AverageRequest(1, 0, {}, (b"x",), 0, 1, None, "ab" * NONCE_BYTES, "0c" * 16)
     ok.check()
-    for bad in (AverageRequest(1, 0, {}, (b"x",), 0, 1, None, b"short", b""),
-                AverageRequest(1, 0, {}, (b"x",), 0, 1, None, b"", b"c" * 17)):
+    assert ok.nonce == b"\xab" * NONCE_BYTES and ok.commitment == b"\x0c" * 16
+    for reveal, commit in (("ab", ""), ("", "0c" * 17), ("zz" * NONCE_BYTES, ""),
+                           ("AB" * NONCE_BYTES, "")):
         with pytest.raises(ValueError, match="nonce or commitment"):
-            bad.check()
+            AverageRequest(1, 0, {}, (b"x",), 0, 1, None, reveal, commit).check()
     with pytest.raises(ValueError, match="grant"):
         AverageReply(1, 0, {}, (), 0, 1, None, -1).check()
 

@@ -52,7 +52,7 @@ def declines(t: Any, sender: str, body: AverageRequest) -> str | None:
     """Why `t` declines `sender`'s request whatever it holds (None: it need not): its seed
     does not follow the pair's chain (seeds.py), it crosses the exchange `t` opened with it,
     or `sender` is far ahead of `t`'s other recent partners (guard.py's `crowded`)."""
-    if not t.seeds.check(sender, body.seed, body.part, body.reveal):
+    if not t.seeds.check(sender, body.seed, body.part, body.nonce):
         return "seed"
     if crossing(t, sender):
         return "crossing"
@@ -87,11 +87,11 @@ def respond(t: Any, now: float, sender: str, addr: str, body: AverageRequest,
         decline = True
         t.stats[f"average_declined_{why}"] += 1
     if why == "seed":  # a new chain, if the initiator's last began long enough ago
-        grant = t.seeds.refused(sender, now, body.part, body.commit)
+        grant = t.seeds.refused(sender, now, body.part, body.commitment)
     elif not decline:  # a read: allowed while busy
         t.responder.begin(learner.params, body.seed, body.part)
         chunks = tuple(bytes(c) for c in t.responder.messages(t.sender, learner.count.total))
-        grant = t.seeds.taken(sender, body.seed, body.part, body.commit)
+        grant = t.seeds.taken(sender, body.seed, body.part, body.commitment)
     out.append(Out(sender, addr, AverageReply(body.seed, learner.step, learner.count.as_dict(),
                                               chunks, body.part, body.parts, t.loss, grant,
                                               why == "seed" and not grant), reply=True))

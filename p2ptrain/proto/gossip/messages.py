@@ -35,6 +35,8 @@ from p2ptrain.proto.gossip.seeds import NONCE_BYTES
 from p2ptrain.proto.messages import Body, register
 from p2ptrain.proto.records import check_count, check_node_id
 
+_HEX = frozenset("0123456789abcdef")
+
 MAX_CHUNKS = 1024  # chunk messages in one averaging body
 MAX_PARTS = 1 << 16  # parts of one averaging exchange (a 128G-coordinate model at 2M each)
 MAX_COUNTER_ENTRIES = 65536  # node ids in one G-counter
@@ -101,8 +103,9 @@ class AverageRequest(Body):
     part: int = 0  # which part of the exchange (each part is averaged on its own)
     parts: int = 1  # how many parts the exchange has
     loss: float | None = None  # initiator's latest training loss (None before its first step)
-    reveal: bytes = b""  # the nonce the seed was derived from (seeds.py); b"": none yet
-    commit: bytes = b""  # commitment to the nonce of the pair's next exchange (first parts)
+    reveal: str = ""  # the nonce the seed was derived from, hex (seeds.py); "": none yet
+    commit: str = ""  # commitment to the nonce of the pair's next exchange, hex (first parts)
+    # (hex in the JSON, not bytes in the binary tail: the tail is the codec chunks alone)
 
     def check(self) -> None:
         check_count(self.seed, "seed")
@@ -111,8 +114,17 @@ class AverageRequest(Body):
         _check_part(self.part, self.parts)
         if not 1 <= len(self.chunks) <= MAX_CHUNKS:
             raise ValueError(f"an averaging request needs 1..{MAX_CHUNKS} chunks")
-        if len(self.reveal) not in (0, NONCE_BYTES) or len(self.commit) not in (0, 16):
-            raise ValueError("an averaging request's nonce or commitment has a wrong length")
+        if (len(self.reveal) not in (0, 2 * NONCE_BYTES) or len(self.commit) not in (0, 32)
+                or not set(self.reveal + self.commit) <= _HEX):
+            raise ValueError("an averaging request's nonce or commitment is not 16 bytes of hex")
+
+    @property
+    def nonce(self) -> bytes:
+        return bytes.fromhex(self.reveal)
+
+    @property
+    def commitment(self) -> bytes:
+        return bytes.fromhex(self.commit)
 
 
 @register(35)

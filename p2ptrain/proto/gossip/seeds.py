@@ -97,18 +97,17 @@ class Seeds:
 
     # -- initiator ---------------------------------------------------------------------------
 
-    def opening(self, peer: str, fresh: int, fast: bool | None = None
-                ) -> tuple[int, bytes, bytes]:
-        """(seed, nonce revealed or b"", commitment to the next nonce) of a new exchange with
-        `peer`; `fresh` is the seed to take when the chain is not open; `fast` sets or clears
-        the seed's FAST_PAIR bit (None: as drawn)."""
+    def opening(self, peer: str, fresh: int, fast: bool | None = None) -> tuple[int, str, str]:
+        """(seed, nonce revealed or "", commitment to the next nonce) of a new exchange with
+        `peer`, in hex as a request carries them; `fresh` is the seed to take when the chain
+        is not open; `fast` sets or clears the seed's FAST_PAIR bit (None: as drawn)."""
         nonce, grant = self.mine.get(peer, (b"", None))
         following = self._draws.draw(NONCE_BYTES)
         seed = fresh if grant is None else derive(nonce, grant, self.me, peer)
         if fast is not None:
             seed = seed | FAST_PAIR if fast else seed & ~FAST_PAIR
         _remember(self.sent, peer, (seed, following))
-        return seed, nonce if grant is not None else b"", commit_of(following)
+        return seed, nonce.hex() if grant is not None else "", commit_of(following).hex()
 
     def answered(self, peer: str, seed: int, grant: int, reseed: bool) -> None:
         """`peer`'s reply to a first part of exchange `seed` -- ours, on time or late: a grant

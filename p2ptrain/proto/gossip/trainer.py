@@ -117,7 +117,7 @@ class GossipTrainer:
         self.guard = config.distance_guard()  # which averaging snapshots are too far
         self.seeds = Seeds(self.node_id, secret or self.sender, self.plan.slow_fraction is not None)
         # (the pairs' seed chains; the runtime's secret is the OS's: simulated, predictable)
-        self.opening = [b"", b""]  # the open exchange's nonce revealed, its commitment
+        self.opening = ["", ""]  # the open exchange's nonce revealed, its commitment (hex)
         self.exchange: Exchange | None = None
         # peers that are no partner of ours for now -> (when we answered one of its requests,
         # until when): just averaged with (at least until our next step), or our reply perhaps
@@ -392,7 +392,7 @@ class GossipTrainer:
         self.stats["average_bytes_sent"] += self.exchange.sent
         out.append(Out(peer, addr, AverageRequest(seed, learner.step, learner.count.as_dict(),
                                                   chunks, part, parts, self.loss,
-                                                  *(self.opening[:2] if part == 0 else ()))))
+                                                  *(self.opening if part == 0 else ()))))
 
     # -- timers -------------------------------------------------------------------------------
 
