@@ -30,7 +30,7 @@ from p2ptrain.proto.records import (
     check_text,
 )
 
-PROTOCOL_VERSION = 4  # bumped on any incompatible change to shapes or meaning
+PROTOCOL_VERSION = 5  # bumped on any incompatible change to shapes or meaning (5: seed chains)
 
 
 class Body:
