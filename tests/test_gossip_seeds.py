@@ -12,6 +12,7 @@ from p2ptrain.proto.gossip.plan import FAST_PAIR
 from p2ptrain.proto.gossip.seeds import (
     MAX_PAIRS,
     MAX_SEED,
+    NO_NONCE,
     NONCE_BYTES,
     RESET_GAP,
     Seeds,
@@ -152,6 +153,23 @@ def test_the_wire_checks_nonce_commitment_and_grant():
             AverageRequest(1, 0, {}, (b"x",), 0, 1, None, reveal, commit).check()
     with pytest.raises(ValueError, match="grant"):
         AverageReply(1, 0, {}, (), 0, 1, None, -1).check()
+
+
+def test_a_requests_size_does_not_depend_on_its_chain():
+    """The simulator charges each message its exact frame: a first exchange's request (no
+    nonce to reveal) is as long as a later one's."""
+    from p2ptrain.proto.schema import compile_class
+
+    i, r = _pair()
+    sizes = set()
+    for _ in range(3):
+        seed, reveal, commit = i.opening(R, 5)
+        body = AverageRequest(1, 0, {}, (b"x",), 0, 1, None, reveal, commit)  # (seed aside)
+        body.check()
+        enc, _ = compile_class(AverageRequest)
+        sizes.add(len(str(enc(body, []))))
+        i.answered(R, seed, r.taken(I, seed, 0, bytes.fromhex(commit)), False)
+    assert len(sizes) == 1 and NO_NONCE == "0" * 2 * NONCE_BYTES
 
 
 def test_honest_nodes_follow_their_chains():

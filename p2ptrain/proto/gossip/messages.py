@@ -103,7 +103,7 @@ class AverageRequest(Body):
     part: int = 0  # which part of the exchange (each part is averaged on its own)
     parts: int = 1  # how many parts the exchange has
     loss: float | None = None  # initiator's latest training loss (None before its first step)
-    reveal: str = ""  # the nonce the seed was derived from, hex (seeds.py); "": none yet
+    reveal: str = ""  # the nonce the seed was derived from, hex (seeds.py); zeros: none yet
     commit: str = ""  # commitment to the nonce of the pair's next exchange, hex (first parts)
     # (hex in the JSON, not bytes in the binary tail: the tail is the codec chunks alone)
 

@@ -21,7 +21,7 @@ So the seed is drawn jointly, by commit and reveal, per ordered pair of nodes:
 The first exchange of a pair -- the responder holds nothing for that initiator (a first
 contact, or either side restarted) -- takes the initiator's own random seed. A request whose
 seed does not follow is declined and its initiator told to start over (`reseed`); a request
-that says it has nothing to reveal, or fails, starts a new chain (the responder takes its
+that reveals no nonce (zeros), or fails, starts a new chain (the responder takes its
 commitment and grants anew) at most once every RESET_GAP seconds per initiator: an honest
 pair whose reply was lost recovers in two exchanges, while a member cannot redraw seeds
 faster than that. A declined request changes nothing, so it is retried with the same seed.
@@ -44,6 +44,9 @@ NONCE_BYTES = 16
 RESET_GAP = 10.0  # s between two new chains of one initiator at a responder, at least
 MAX_PAIRS = 4096  # peers whose chain is remembered, each side (the oldest goes first)
 MAX_SEED = 2**53  # exchange seeds stay exact in JSON
+# what a request reveals when its pair's chain is not open: zeros of a nonce's length, so a
+# request's size does not depend on the chain (the simulator's byte accounting is exact)
+NO_NONCE = "00" * NONCE_BYTES
 
 
 def commit_of(nonce: bytes) -> bytes:
@@ -98,16 +101,16 @@ class Seeds:
     # -- initiator ---------------------------------------------------------------------------
 
     def opening(self, peer: str, fresh: int, fast: bool | None = None) -> tuple[int, str, str]:
-        """(seed, nonce revealed or "", commitment to the next nonce) of a new exchange with
-        `peer`, in hex as a request carries them; `fresh` is the seed to take when the chain
-        is not open; `fast` sets or clears the seed's FAST_PAIR bit (None: as drawn)."""
+        """(seed, nonce revealed or NO_NONCE, commitment to the next nonce) of a new exchange
+        with `peer`, in hex as a request carries them; `fresh` is the seed to take when the
+        chain is not open; `fast` sets or clears the seed's FAST_PAIR bit (None: as drawn)."""
         nonce, grant = self.mine.get(peer, (b"", None))
         following = self._draws.draw(NONCE_BYTES)
         seed = fresh if grant is None else derive(nonce, grant, self.me, peer)
         if fast is not None:
             seed = seed | FAST_PAIR if fast else seed & ~FAST_PAIR
         _remember(self.sent, peer, (seed, following))
-        return seed, nonce.hex() if grant is not None else "", commit_of(following).hex()
+        return seed, nonce.hex() if grant is not None else NO_NONCE, commit_of(following).hex()
 
     def answered(self, peer: str, seed: int, grant: int, reseed: bool) -> None:
         """`peer`'s reply to a first part of exchange `seed` -- ours, on time or late: a grant
