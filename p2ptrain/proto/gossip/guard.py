@@ -32,7 +32,10 @@ servers that each draw one favourite, one server's favourite can be far ahead of
 (13% of requests declined at seed-100m, the time to target unchanged). With no other peer
 among them (a two-node swarm) there is nobody to be fair to, and in a three-node swarm a
 member is a third of the swarm. A member running made-up members is not bounded by this:
-the key is the swarm's (BENCHMARKS 11).
+the key is the swarm's (BENCHMARKS 11). An exchange counts once, whatever its parts.
+
+Pure: no clock, no randomness, no I/O; bounded state (a window, and a count per peer that
+only members can add to, forgotten past `MAX_PEERS`).
 """
 
 from __future__ import annotations
