@@ -24,3 +24,13 @@ def cli_env(**extra: str) -> dict[str, str]:
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd=None):
     return subprocess.run([sys.executable, "-m", "p2ptrain", *args], capture_output=True,
                           text=True, env=env or cli_env(), timeout=timeout, cwd=cwd or REPO)
+
+
+def introduce(signer, server):
+    """A hello from `signer` (auth.Signer) to `server` (auth.ServerAuth) in memory, as the
+    route makes it: both keep their pair key; the server's Receiver is returned."""
+    import secrets
+
+    nonce = secrets.token_hex(16)
+    body, headers = server.welcome(signer.hello_headers(nonce))
+    return signer.check_welcome(nonce, headers, body)

@@ -4,11 +4,16 @@ body; replay windows; join tokens and key files."""
 from __future__ import annotations
 
 import os
+import secrets
 import stat
+from dataclasses import replace
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from p2ptrain.net import auth as auth_module
 from p2ptrain.net.auth import (
+    CARD,
     MAC,
     SEQ,
     TO,
@@ -22,6 +27,7 @@ from p2ptrain.net.auth import (
     VersionError,
     derive_mac_key,
 )
+from p2ptrain.net.session import Card, CardError, Life
 from p2ptrain.proto import PROTOCOL_VERSION
 from p2ptrain.swarm import (
     Swarm,
@@ -32,14 +38,19 @@ from p2ptrain.swarm import (
     read_key_file,
     write_init_files,
 )
+from tests.helpers import introduce
 
-A, B = "a" * 32, "b" * 32
+LIFE_A, LIFE_B = Life.throwaway(3), Life.throwaway(5)
+A, B = LIFE_A.node_id, LIFE_B.node_id
 TO_B = Receiver(B, 5)
 
 
-def _pair(key: bytes = b"k" * 32) -> tuple[Signer, ServerAuth]:
+def _pair(key: bytes = b"k" * 32, hello: bool = True) -> tuple[Signer, ServerAuth]:
     mac = derive_mac_key(key)
-    return Signer(mac, A, 3), ServerAuth(mac, B, 5)
+    signer, server = Signer(mac, LIFE_A), ServerAuth(mac, LIFE_B)
+    if hello:
+        assert introduce(signer, server) == TO_B
+    return signer, server
 
 
 def test_a_signed_request_verifies_once_and_its_response_is_bound_to_it():
@@ -82,7 +93,7 @@ def test_any_change_to_a_signed_request_breaks_its_mac(change):
     elif change == "receiver incarnation":
         headers[TO] = f"{B}.6"
     else:
-        server = ServerAuth(derive_mac_key(b"x" * 32), B, 5)
+        server = ServerAuth(derive_mac_key(b"x" * 32), LIFE_B)
     with pytest.raises(AuthError):
         server.verify(method, path, headers, body)
 
@@ -134,16 +145,16 @@ def test_other_protocol_versions_are_refused_naming_both():
 
 
 def test_a_hello_answer_is_bound_to_the_nonce_and_the_key():
-    signer, server = _pair()
+    signer, server = _pair(hello=False)
     nonce = "1" * 32
     body, headers = server.welcome(signer.hello_headers(nonce))
-    signer.check_welcome(nonce, headers, body)
+    assert signer.check_welcome(nonce, headers, body) == TO_B
     assert b'"incarnation":5' in body
     with pytest.raises(AuthError):
         signer.check_welcome("2" * 32, headers, body)  # an answer to another hello
     with pytest.raises(AuthError):
         signer.check_welcome(nonce, headers, body.replace(b":5", b":6"))
-    stranger = Signer(derive_mac_key(b"x" * 32), A, 1)
+    stranger = Signer(derive_mac_key(b"x" * 32), Life.throwaway(1))
     with pytest.raises(AuthError, match="wrong swarm key"):
         server.welcome(stranger.hello_headers(nonce))
 
@@ -221,7 +232,8 @@ def test_a_slow_upload_is_behind_only_the_requests_to_the_same_receiver():
     last at B is not 'too far behind' because the sender meanwhile sent thousands of requests
     to others (a leader's heartbeats to every member) and a few to B that finished first."""
     signer, server = _pair()
-    others = [Receiver(f"{i:032x}", 1) for i in range(50)]
+    others = [introduce(signer, ServerAuth(signer.keys.current, Life.throwaway(1)))
+              for _ in range(50)]
     _, slow = signer.sign_request("POST", "/v1/average", b"part", to=TO_B)
     for _ in range(40):  # 2,000 requests to 50 other members while the part uploads ...
         for other in others:
@@ -231,5 +243,99 @@ def test_a_slow_upload_is_behind_only_the_requests_to_the_same_receiver():
     assert server.verify("POST", "/v1/average", slow, b"part").seq == 1
     # a receiver forgotten (or new) continues above every sequence the signer issued
     issued = signer.seq
-    assert signer.sign_request("POST", "/v1/control", b"", to=Receiver("c" * 32, 1))[0].seq \
+    newcomer = introduce(signer, ServerAuth(signer.keys.current, Life.throwaway(1)))
+    assert signer.sign_request("POST", "/v1/control", b"", to=newcomer)[0].seq \
         == issued + 1 and issued >= 41
+
+
+# -- a member speaks only as itself (session.py) ---------------------------------------------
+
+
+def test_a_member_cannot_sign_as_another_nor_poison_its_replay_window():
+    """The attack of protocol 5: a member holding the swarm key signed one request under
+    another member's id at incarnation 10^18, and the receiver's replay window then refused
+    every request of that member for good. Now the MAC needs the pair key of the named
+    member's own life: the forgery is refused, and the member is heard as before."""
+    signer, server = _pair()
+    mole = Signer(signer.keys.current, Life.throwaway(1))  # a member: it said hello too
+    introduce(mole, server)
+    forged = RequestId(A, 10**18, 1, TO_B)
+    for key in (signer.keys.current, mole._pairs[B][1]):  # the swarm key; the mole's pair key
+        mac = auth_module._mac(key, auth_module._REQ_TAG, forged.fields("POST", "/v1/control"),
+                               b"ping")
+        headers = {VERSION: str(PROTOCOL_VERSION), "X-P2P-Sender": A, SEQ: f"{10**18}.1",
+                   TO: TO_B.header(), MAC: mac}
+        with pytest.raises(AuthError, match="say hello"):
+            server.verify("POST", "/v1/control", headers, b"ping")
+        headers[SEQ] = "3.999"  # A's own incarnation: the MAC decides
+        with pytest.raises(AuthError, match="does not verify"):
+            server.verify("POST", "/v1/control", headers, b"ping")
+    rid, headers = signer.sign_request("POST", "/v1/control", b"ping", to=TO_B)
+    assert server.verify("POST", "/v1/control", headers, b"ping") == rid  # A is still heard
+
+
+def test_a_hello_proves_the_sender_and_the_answer_proves_the_node():
+    signer, server = _pair(hello=False)
+    mole = Signer(signer.keys.current, Life.throwaway(1))
+    nonce = secrets.token_hex(16)
+    posing = mole.hello_headers(nonce)  # the mole's card under A's id
+    posing.update({"X-P2P-Sender": A, MAC: auth_module._mac(
+        signer.keys.current, auth_module._HELLO_TAG, (A, nonce, posing[CARD]), b"")})
+    with pytest.raises(AuthError, match="not node"):
+        server.welcome(posing)
+    captured = signer.hello_headers(nonce)  # A's own hello, played again by the mole: the
+    body, headers = server.welcome(captured)  # same pair key, which the mole cannot make
+    assert signer.check_welcome(nonce, headers, body) == TO_B
+    server.welcome(captured)
+    rid, sent = signer.sign_request("POST", "/v1/control", b"ping", to=TO_B)
+    assert server.verify("POST", "/v1/control", sent, b"ping") == rid
+    # the mole answering a hello (at an address said to be B's) can name only itself
+    impostor = ServerAuth(signer.keys.current, mole.life)
+    body, headers = impostor.welcome(signer.hello_headers(nonce))
+    with pytest.raises(AuthError, match="not node"):
+        signer.check_welcome(nonce, headers, body.replace(mole.node_id.encode(), B.encode()))
+    assert signer.check_welcome(nonce, headers, body).node_id == mole.node_id
+
+
+def test_a_hello_of_an_older_life_is_refused_and_a_forgotten_sender_says_hello_again():
+    key = derive_mac_key(b"k" * 32)
+    server = ServerAuth(key, LIFE_B, max_senders=2)
+    identity = Ed25519PrivateKey.generate()
+    older, newer = (Signer(key, Life.throwaway(i, identity)) for i in (3, 4))
+    nonce = secrets.token_hex(16)
+    old_hello = older.hello_headers(nonce)
+    introduce(newer, server)
+    with pytest.raises(AuthError, match="older than 4"):
+        server.welcome(old_hello)
+    rid, sent = newer.sign_request("POST", "/v1/control", b"x", to=TO_B)
+    assert server.verify("POST", "/v1/control", sent, b"x") == rid
+    for _ in range(2):  # two other senders: the least recent is forgotten
+        introduce(Signer(key, Life.throwaway(1)), server)
+    _, sent = newer.sign_request("POST", "/v1/control", b"x", to=TO_B)
+    with pytest.raises(AuthError, match="say hello"):
+        server.verify("POST", "/v1/control", sent, b"x")
+    introduce(newer, server)  # what the outbox does on a 401: hello, then once more
+    rid, sent = newer.sign_request("POST", "/v1/control", b"x", to=TO_B)
+    assert server.verify("POST", "/v1/control", sent, b"x") == rid
+
+
+@pytest.mark.parametrize("change", ["id", "incarnation", "signature", "shape", "low order"])
+def test_a_bad_card_is_refused(change):
+    life = Life.throwaway(7)
+    text, node_id = life.card.text(), life.node_id
+    inc, identity, exchange, signature = text.split(".")
+    if change == "id":
+        node_id = LIFE_A.node_id
+    elif change == "incarnation":
+        text = ".".join(("8", identity, exchange, signature))
+    elif change == "signature":
+        text = ".".join((inc, identity, exchange, "0" * 128))
+    elif change == "shape":
+        text = text + ".00"
+    else:  # a valid signature over an X25519 point that gives no secret
+        with pytest.raises(CardError, match="no shared secret"):
+            LIFE_A.pair_key(b"k" * 32, replace(life.card, exchange=bytes(32)))
+        return
+    with pytest.raises(CardError):
+        Card.parse(text, node_id)
+    assert Card.parse(life.card.text(), life.node_id) == life.card

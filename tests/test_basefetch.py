@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import shutil
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from p2ptrain.net.baseserve import BaseServing, add_base_routes
 from p2ptrain.net.fetch import FetchError, Source, _connect, _get
 from p2ptrain.net.hello import add_hello_route
 from p2ptrain.net.pacing import TokenBucket
+from p2ptrain.net.session import Life
 from tests.swarmlab import SwarmLab, free_ports, wait_for
 from tests.test_ckptfetch import serving
 
@@ -48,7 +48,7 @@ class Server:
 
     async def start(self) -> None:
         app = web.Application()
-        auth = ServerAuth(KEY, secrets.token_hex(16), 1)
+        auth = ServerAuth(KEY, Life.throwaway(1))
         add_hello_route(app, auth)
         add_base_routes(app, BaseServing(auth, lambda: self.bases, self.bucket,
                                          on_served=self.count))
@@ -71,7 +71,7 @@ def fetch(servers: list[Server], base_id: str, out: Path, addrs: list[str] | Non
             async with aiohttp.ClientSession() as session:
                 return await asyncio.wait_for(fetch_base(
                     session, addrs or [s.addr for s in servers],
-                    Signer(KEY, secrets.token_hex(16), 1), base_id, out), bound)
+                    Signer(KEY, Life.throwaway(1)), base_id, out), bound)
         finally:
             for s in servers:
                 if s.runner is not None:
@@ -155,7 +155,7 @@ def test_ranges_only_and_names_checked(base, tmp_path):
                 async with session.get(f"http://{server.addr}/v1/base/{base.id}") as r:
                     assert r.status == 401
                 src = Source(server.addr)
-                await _connect(session, src, Signer(KEY, secrets.token_hex(16), 1), 10)
+                await _connect(session, src, Signer(KEY, Life.throwaway(1)), 10)
                 whole = await _get(src.conn, f"/v1/base/{base.id}/{BASE_FILE}", 206, 1 << 20,
                                    None)
                 assert whole.status == 416  # a base is served in ranges only
@@ -212,7 +212,7 @@ def test_a_damaged_base_on_disk_is_a_clear_error_not_a_traceback(tmp_path):
 def test_a_trickled_manifest_is_given_up_and_the_next_server_asked(base, tmp_path):
     """A member answering `GET /v1/base/{id}` a byte at a time, under the read timeout, held
     the fetch for good (the CLI's `join --base ID`, a joiner's base fetch)."""
-    me = ServerAuth(KEY, secrets.token_hex(16), 1)
+    me = ServerAuth(KEY, Life.throwaway(1))
 
     async def trickle(request):
         me.verify(request.method, request.path, request.headers, b"")
@@ -236,7 +236,7 @@ def test_a_trickled_manifest_is_given_up_and_the_next_server_asked(base, tmp_pat
                 async with aiohttp.ClientSession() as session:
                     return await asyncio.wait_for(fetch_base(
                         session, [slow.removeprefix("http://"), honest.addr],
-                        Signer(KEY, secrets.token_hex(16), 1), base.id, tmp_path / "bases",
+                        Signer(KEY, Life.throwaway(1)), base.id, tmp_path / "bases",
                         timeout=2.0), 60)
             finally:
                 await honest.runner.cleanup()

@@ -18,6 +18,7 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.numpy import load_file
 from yarl import URL
 
@@ -25,16 +26,18 @@ from p2ptrain.checkpoint import manifest as mf
 from p2ptrain.checkpoint import store
 from p2ptrain.identity import Identity, load_or_create
 from p2ptrain.net import ckptserve
-from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
+from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key, response_headers
 from p2ptrain.net.ckptserve import RangeError, Serving, add_checkpoint_routes, parse_range
 from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, check_answer, fetch_latest
 from p2ptrain.net.hello import add_hello_route, hello
+from p2ptrain.net.session import Life
 from p2ptrain.net.shelf import Shelf
 
 CHUNK = 64 * 1024
 KEY = derive_mac_key(bytes(range(32)))
 OTHER_KEY = derive_mac_key(bytes(range(1, 33)))
-CLIENT_ID = "c" * 32
+CLIENT_KEY = Ed25519PrivateKey.generate()  # the fetching client's identity, any life
+CLIENT_ID = Life.throwaway(1, CLIENT_KEY).node_id
 INCARNATIONS = itertools.count(1)
 ARABIC_ZERO = "\u0660"  # a Unicode digit: `\d` matches it, a checkpoint name must not
 
@@ -84,7 +87,7 @@ def make_leader(tmp_path: Path) -> Leader:
     assert len(files[store.MODEL_FILE].hashes) == 4
     assert len(files[store.STATE_FILE].hashes) == 2
     return Leader(ident, ckroot, path.name, load_file(str(path / store.MODEL_FILE)),
-                  ServerAuth(KEY, ident.node_id, ident.incarnation))
+                  ServerAuth(KEY, Life(ident)))
 
 
 def make_app(lead: Leader) -> web.Application:
@@ -122,7 +125,8 @@ def fetch(lead: Leader, out: Path, *, key: bytes = KEY, expected: str | None = "
     async def run() -> Path:
         async with serving(app or make_app(lead)) as base, aiohttp.ClientSession() as session:
             who = lead.ident.node_id if expected == "leader" else expected
-            signer = Signer(key, CLIENT_ID, next(INCARNATIONS))  # as if the client restarted
+            # as if the client restarted
+            signer = Signer(key, Life.throwaway(next(INCARNATIONS), CLIENT_KEY))
             return await fetch_latest(session, base, signer, out,
                                       expected_leader=who, **kw)
     return asyncio.run(run())
@@ -187,7 +191,7 @@ def test_requests_without_mac_or_replayed_get_401_and_a_body_gets_400(leader):
             for path in ("/v1/checkpoint", file):
                 status, _, body, _ = await raw_get(session, base, path, None)
                 assert status == 401 and json.loads(body) == {"error": "request carries no MAC"}
-            signer = Signer(KEY, CLIENT_ID, 1)
+            signer = Signer(KEY, Life.throwaway(1, CLIENT_KEY))
             url = URL(base + "/v1/checkpoint")
             rid, headers = signer.sign_request("GET", url.path,
                                                to=await hello(session, base, signer))
@@ -220,10 +224,9 @@ def test_a_chunk_rotted_on_the_leaders_disk_is_refused_and_nothing_lands(leader,
 def test_a_response_with_a_bad_mac_is_refused(leader, tmp_path):
     class Forger(ServerAuth):  # accepts our requests, signs answers with another key
         def sign(self, method, path, rid, status, body):
-            return ServerAuth(OTHER_KEY, self.node_id, self.incarnation).sign(
-                method, path, rid, status, body)
+            return response_headers(OTHER_KEY, method, path, rid, status, body)
 
-    leader.auth = Forger(KEY, leader.ident.node_id, leader.ident.incarnation)
+    leader.auth = Forger(KEY, Life(leader.ident))
     with pytest.raises(FetchError, match="response MAC does not verify"):
         fetch(leader, tmp_path / "out")
 
@@ -389,7 +392,7 @@ def test_path_traversal_unknown_files_and_bad_ids_get_404(leader):
 
     async def run():
         async with serving(make_app(leader)) as base, aiohttp.ClientSession() as session:
-            signer = Signer(KEY, CLIENT_ID, 1)
+            signer = Signer(KEY, Life.throwaway(1, CLIENT_KEY))
             for path in ours:
                 status, headers, body, rid = await raw_get(session, base, path, signer)
                 assert status == 404, path
@@ -406,7 +409,7 @@ def test_ranges_whole_files_and_unsatisfiable_ranges(leader):
 
     async def run():
         async with serving(make_app(leader)) as base, aiohttp.ClientSession() as session:
-            signer = Signer(KEY, CLIENT_ID, 1)
+            signer = Signer(KEY, Life.throwaway(1, CLIENT_KEY))
             for rng, status, want in [
                 (None, 200, data), ("bytes=10-19", 206, data[10:20]),
                 (f"bytes={len(data) - 5}-", 206, data[-5:]),
@@ -475,8 +478,8 @@ def test_a_checkpoint_of_another_model_is_refused_before_a_byte_of_it_is_fetched
     async def run(fingerprint):
         async with serving(make_app(leader)) as base, aiohttp.ClientSession() as session:
             return await fetch_checkpoint(
-                session, [base.removeprefix("http://")], Signer(KEY, CLIENT_ID,
-                                                                next(INCARNATIONS)),
+                session, [base.removeprefix("http://")], Signer(KEY, Life.throwaway(
+                    next(INCARNATIONS), CLIENT_KEY)),
                 tmp_path / "out", expected_leader=leader.ident.node_id,
                 fingerprint=fingerprint)
 

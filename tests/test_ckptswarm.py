@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from p2ptrain.net.ckptserve import Serving, add_checkpoint_routes
 from p2ptrain.net.fetch import FetchError, fetch_checkpoint
 from p2ptrain.net.hello import add_hello_route
 from p2ptrain.net.pacing import TokenBucket
+from p2ptrain.net.session import Life
 from p2ptrain.net.shelf import Held, Shelf, shelved
 
 CHUNK = 64 * 1024
@@ -61,7 +61,7 @@ class Holder:
     name: str
     root: Path
     bucket: TokenBucket
-    node_id: str = field(default_factory=lambda: secrets.token_hex(16))
+    life: Life = field(default_factory=Life.throwaway)
     shelf: Shelf = field(init=False)
     served: int = 0
     chunk_requests: int = 0
@@ -83,7 +83,7 @@ class Holder:
             return resp
 
         app = web.Application(middlewares=[count])
-        auth = ServerAuth(KEY, self.node_id, 1)
+        auth = ServerAuth(KEY, self.life)
         add_hello_route(app, auth)
 
         def on_served(n: int) -> None:
@@ -122,7 +122,7 @@ async def running(holders: list[Holder]):
 
 
 def signer() -> Signer:
-    return Signer(KEY, secrets.token_hex(16), 1)
+    return Signer(KEY, Life.throwaway(1))
 
 
 def copies(tmp_path: Path, path: Path, n: int, rate: float) -> list[Holder]:

@@ -23,10 +23,12 @@ from p2ptrain.net.ckptserve import Serving, add_checkpoint_routes, describe
 from p2ptrain.net.fetch import FetchError, NoCheckpoint, check_answer, fetch_checkpoint
 from p2ptrain.net.hello import add_hello_route
 from p2ptrain.net.joinflow import JoinFetcher
+from p2ptrain.net.session import Life
 from p2ptrain.net.shelf import Held, Shelf
 from p2ptrain.proto.events import FetchCheckpoint
 from tests.test_ckptfetch import (  # noqa: F401 (small_chunks: an autouse fixture)
     CLIENT_ID,
+    CLIENT_KEY,
     INCARNATIONS,
     KEY,
     Leader,
@@ -46,13 +48,13 @@ def leader(tmp_path) -> Leader:
 
 
 def _signer() -> Signer:
-    return Signer(KEY, CLIENT_ID, next(INCARNATIONS))
+    return Signer(KEY, Life.throwaway(next(INCARNATIONS), CLIENT_KEY))
 
 
 def _member_app(tmp_path, name: str, route) -> web.Application:
     """A key holder that answers hello honestly and `/v1/checkpoint/{id}` with `route`."""
     me = load_or_create(tmp_path / name)
-    auth = ServerAuth(KEY, me.node_id, me.incarnation)
+    auth = ServerAuth(KEY, Life(me))
     app = web.Application()
     add_hello_route(app, auth)
 
@@ -169,7 +171,7 @@ def test_a_fetch_left_with_partial_holders_lacking_a_chunk_ends(leader, tmp_path
     monkeypatch.setattr(fetchmod, "STALL", 2.0)
     leader.cut_after = 0
     me = load_or_create(tmp_path / "partial")
-    auth = ServerAuth(KEY, me.node_id, me.incarnation)
+    auth = ServerAuth(KEY, Life(me))
     held = leader.shelf.latest()
     shelf = Shelf(lambda: [])
     shelf.register(Held(held.path, held.manifest, {mf.MODEL_FILE: {0}, mf.STATE_FILE: set()}))

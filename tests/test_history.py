@@ -16,8 +16,10 @@ from p2ptrain.net.auth import Receiver, ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.history import QUIET_EVENTS, Events, History, Rates, Series, rate
 from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.server import Served, build_app, listen
+from p2ptrain.net.session import Life
 from p2ptrain.net.watch import Watch
 from p2ptrain.report import Reporter
+from tests.helpers import introduce
 
 
 def status(step: int, bytes_in: int, upload: int, swarm: int, peers=()) -> dict:
@@ -137,7 +139,8 @@ def test_the_watch_notes_what_the_reporter_says_until_closed():
 
 
 class Host:
-    node_id = "b" * 32
+    life = Life.throwaway(1)
+    node_id = life.node_id
 
     def count(self, what: str, n: int = 1) -> None:
         pass
@@ -153,14 +156,15 @@ KEY = derive_mac_key(bytes(range(32)))
 
 
 async def fetch_history(open_routes: bool, history=None) -> list[tuple[int, dict]]:
-    auth = ServerAuth(KEY, Host.node_id, 1)
+    auth = ServerAuth(KEY, Host.life)
     served = Served(Host(), auth, TokenBucket(0), open_routes, history=history)
     runner = web.AppRunner(build_app(served, lambda: None), access_log=None)
     await runner.setup()
     try:
         port = await listen(runner, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{port}/v1/history"
-        signer = Signer(KEY, "a" * 32, 1)
+        signer = Signer(KEY, Life.throwaway(1))
+        introduce(signer, auth)
         out = []
         async with aiohttp.ClientSession() as session:
             _, signed = signer.sign_request("GET", "/v1/history", to=Receiver(Host.node_id, 1))

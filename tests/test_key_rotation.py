@@ -29,11 +29,14 @@ from p2ptrain.net.discovery import Discovery
 from p2ptrain.net.fetch import FetchError, fetch_latest
 from p2ptrain.net.hello import HelloRefused, add_hello_route, hello
 from p2ptrain.net.keyring import ROTATED, SAVE_EVERY, Keyring
+from p2ptrain.net.session import Life
 from p2ptrain.net.shelf import Shelf
+from tests.helpers import introduce
 from tests.test_ckptfetch import save_checkpoint, serving
 from tests.test_discovery import _advert
 
-A, B = "a" * 32, "b" * 32
+LIFE_A, LIFE_B = Life.throwaway(1), Life.throwaway(5)
+A, B = LIFE_A.node_id, LIFE_B.node_id
 TO_B = Receiver(B, 5)
 GRACE = 8.0
 
@@ -74,28 +77,28 @@ def test_the_grace_is_counted_in_running_time_reported_and_ended_once():
 def test_both_keys_are_accepted_in_the_grace_and_answered_with_the_requests_key():
     clock = Clock()
     new, old, keys = rotated(clock)
-    server = ServerAuth(keys, B, 5)
+    server = ServerAuth(keys, LIFE_B)
     for key in (new, old):  # a restarted member, a member that has only the old key
-        signer = Signer(key, secrets.token_hex(16), 1)
+        signer = Signer(key, Life.throwaway(1))
+        assert introduce(signer, server) == TO_B  # a hello made with that swarm key
         rid, headers = signer.sign_request("POST", "/v1/gossip", b"grad", to=TO_B)
         got = server.verify("POST", "/v1/gossip", headers, b"grad")
-        assert got == rid and got.key == key
+        assert got == rid and got.key == rid.key and got.key not in (new, old)  # a pair key
         reply = server.sign("POST", "/v1/gossip", got, 200, b"answer")
         assert signer.check_response("POST", "/v1/gossip", rid, 200, reply, b"answer") == B
-        other = new if key == old else old  # answered with the request's key, not another
-        with pytest.raises(AuthError):
-            check_response(other, "POST", "/v1/gossip", rid, 200, reply, b"answer")
-        nonce = secrets.token_hex(16)
-        body, welcome = server.welcome(signer.hello_headers(nonce))
-        signer.check_welcome(nonce, welcome, body)
+        for other in (new, old):  # answered with the pair key, not a swarm key
+            with pytest.raises(AuthError):
+                check_response(other, "POST", "/v1/gossip", rid, 200, reply, b"answer")
     assert "key" not in repr(got) and new.hex() not in repr(got)
 
 
 def test_the_previous_key_is_refused_after_the_grace_saying_it_was_rotated():
     clock = Clock()
     new, old, keys = rotated(clock)
-    server = ServerAuth(keys, B, 5)
-    old_member, new_member = Signer(old, A, 1), Signer(new, "c" * 32, 1)
+    server = ServerAuth(keys, LIFE_B)
+    old_member, new_member = Signer(old, Life.throwaway(1)), Signer(new, Life.throwaway(1))
+    introduce(old_member, server)
+    introduce(new_member, server)
     clock.t += GRACE
     _, headers = old_member.sign_request("POST", "/v1/control", b"probe", to=TO_B)
     pending = server.begin("POST", "/v1/control", headers)  # headers pass; the MAC decides
@@ -107,34 +110,42 @@ def test_the_previous_key_is_refused_after_the_grace_saying_it_was_rotated():
         server.welcome(old_member.hello_headers(secrets.token_hex(16)))
     _, headers = old_member.sign_request("POST", "/v1/control", b"probe", to=TO_B)
     server.begin("POST", "/v1/control", headers)  # the refusal recorded nothing
-    _, headers = new_member.sign_request("POST", "/v1/control", b"probe", to=TO_B)
-    assert server.verify("POST", "/v1/control", headers, b"probe").key == new
-    stranger = Signer(derive_mac_key(b"x" * 32), A, 2)
-    _, headers = stranger.sign_request("POST", "/v1/control", b"probe", to=TO_B)
-    with pytest.raises(AuthError, match="does not verify"):
-        server.verify("POST", "/v1/control", headers, b"probe")
+    rid, headers = new_member.sign_request("POST", "/v1/control", b"probe", to=TO_B)
+    assert server.verify("POST", "/v1/control", headers, b"probe") == rid
+    stranger = Signer(derive_mac_key(b"x" * 32), Life.throwaway(2))
+    with pytest.raises(AuthError, match="wrong swarm key"):
+        server.welcome(stranger.hello_headers(secrets.token_hex(16)))
+    with pytest.raises(AuthError, match="say hello"):  # no hello, no pair key
+        stranger.sign_request("POST", "/v1/control", b"probe", to=TO_B)
 
 
-def test_a_rotated_node_signs_with_the_previous_key_only_toward_who_needs_it():
+def test_a_rotated_node_reaches_with_the_previous_key_only_who_needs_it():
     clock = Clock()
     new, old, keys = rotated(clock)
-    signer = Signer(keys, A, 1)
+    signer = Signer(keys, LIFE_A)
     assert signer.hello_keys() == (new, old)
-    signer.learnt(B, old)  # B answered hello only to the previous key
-    rid, _ = signer.sign_request("GET", "/v1/config", to=TO_B)
-    assert rid.key == old
-    assert signer.sign_request("GET", "/v1/config", to=Receiver("c" * 32, 1))[0].key == new
-    clock.t += GRACE
-    assert signer.sign_request("GET", "/v1/config", to=TO_B)[0].key == new
-    assert signer.hello_keys() == (new,)
-    signer.learnt(B, new)
-    assert signer.on_previous == set()
+    not_restarted = ServerAuth(old, LIFE_B)  # B holds only the previous key
+    with pytest.raises(AuthError, match="wrong swarm key"):
+        not_restarted.welcome(signer.hello_headers(secrets.token_hex(16)))
+    nonce = secrets.token_hex(16)
+    body, headers = not_restarted.welcome(signer.hello_headers(nonce, old))
+    assert signer.check_welcome(nonce, headers, body, old) == TO_B
+    rid, sent = signer.sign_request("GET", "/v1/config", to=TO_B)
+    assert not_restarted.verify("GET", "/v1/config", sent, b"") == rid
+    restarted = ServerAuth(new, Life.throwaway(1))
+    rid, sent = signer.sign_request("GET", "/v1/config", to=introduce(signer, restarted))
+    assert restarted.verify("GET", "/v1/config", sent, b"") == rid
+    clock.t += GRACE  # the previous key's pair keys are given up with it
+    assert not signer.knows(TO_B) and signer.hello_keys() == (new,)
+    with pytest.raises(AuthError, match="say hello"):
+        signer.sign_request("GET", "/v1/config", to=TO_B)
 
 
 def test_hello_falls_back_to_the_previous_key_during_the_grace_only():
     clock = Clock()
     new, old, keys = rotated(clock)
-    old_node = ServerAuth(old, B, 7)  # a member not restarted yet
+    old_life = Life.throwaway(7)
+    old_node = ServerAuth(old, old_life)  # a member not restarted yet
 
     async def ask(signer: Signer) -> Receiver:
         app = web.Application()
@@ -142,9 +153,9 @@ def test_hello_falls_back_to_the_previous_key_during_the_grace_only():
         async with serving(app) as base, aiohttp.ClientSession() as session:
             return await hello(session, base, signer)
 
-    signer = Signer(keys, A, 1)
-    assert asyncio.run(ask(signer)) == Receiver(B, 7)
-    assert signer.on_previous == {B}
+    signer = Signer(keys, LIFE_A)
+    assert asyncio.run(ask(signer)) == Receiver(old_life.node_id, 7)
+    assert signer.knows(Receiver(old_life.node_id, 7))
     clock.t += GRACE
     with pytest.raises(HelloRefused, match="401"):
         asyncio.run(ask(signer))
@@ -176,14 +187,14 @@ def test_checkpoints_stay_valid_across_a_rotation(tmp_path):
     new, old, keys = rotated(clock)
     ident = load_or_create(tmp_path / "leader")
     path = save_checkpoint(tmp_path / "leader" / "checkpoints", ident)  # before the rotation
-    auth = ServerAuth(keys, ident.node_id, ident.incarnation)
+    auth = ServerAuth(keys, Life(ident))
 
     async def fetch(key: bytes, out: Path) -> Path:
         app = web.Application()
         add_hello_route(app, auth)
         add_checkpoint_routes(app, Serving(Shelf(lambda: [path.parent]), auth))
         async with serving(app) as base, aiohttp.ClientSession() as session:
-            return await fetch_latest(session, base, Signer(key, secrets.token_hex(16), 1), out,
+            return await fetch_latest(session, base, Signer(key, Life.throwaway(1)), out,
                                       expected_leader=ident.node_id)
 
     for i, key in enumerate((new, old)):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import secrets
 
 import aiohttp
 import pytest
@@ -18,6 +17,7 @@ from p2ptrain.models.rwkv import RWKVConfig
 from p2ptrain.net import basefetch
 from p2ptrain.net.auth import Signer
 from p2ptrain.net.fetch import MAX_SOURCES, FetchError
+from p2ptrain.net.session import Life
 from tests.test_basefetch import KEY, Server, base, fetch  # noqa: F401 (a fixture)
 
 TINY = RWKVConfig(vocab_size=256, n_layer=1, n_embd=16, ctx_len=16)
@@ -109,7 +109,7 @@ def test_a_base_fetch_asks_at_most_max_sources_of_the_addresses_it_is_given(tmp_
                 with pytest.raises(FetchError):
                     await basefetch.fetch_base(
                         session, [f"127.0.0.1:{port}?{i}" for i in range(200)],
-                        Signer(KEY, secrets.token_hex(16), 1), "0123456789abcdef", tmp_path,
+                        Signer(KEY, Life.throwaway(1)), "0123456789abcdef", tmp_path,
                         timeout=5)
         finally:
             await runner.cleanup()

@@ -1,5 +1,7 @@
-"""A node without the key cannot be taken down: idle connections, trickling bodies and big
-bodies with fake credentials, against real processes on 127.0.0.1.
+"""A node cannot be taken down by idle connections, trickling bodies or big bodies with fake
+credentials, against real processes on 127.0.0.1. The body attacks come from a member that
+said hello (a stranger's request names no sender the node has a hello of and is refused
+before any body byte is read), so its bodies are read and the limits are what stop them.
 
 Node n0 runs with an open-file limit of 256 (prlimit) and small server limits; n1 is a real
 peer training with it. Each test attacks n0 from this process and shows that n0 stays
@@ -18,14 +20,19 @@ import time
 import urllib.request
 from pathlib import Path
 
+import aiohttp
 import pytest
 
+from p2ptrain.net.auth import Signer, derive_mac_key
+from p2ptrain.net.hello import hello
+from p2ptrain.net.session import Life
 from p2ptrain.proto import PROTOCOL_VERSION
 from tests.swarmlab import SwarmLab, free_ports, wait_for
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 MiB = 1 << 20
+ATTACKER: dict[str, Signer] = {}  # the member the attacks come from (the fixture's)
 AVERAGE_LIMIT = 72 * MiB  # routes.ROUTES["/v1/average"], restated on purpose
 LIMITS = dict(P2PTRAIN_NET_MAX_CONNECTIONS="64", P2PTRAIN_NET_MAX_CONNECTIONS_PER_IP="48",
               P2PTRAIN_NET_HEADER_TIMEOUT="2", P2PTRAIN_NET_IDLE_TIMEOUT="2",
@@ -43,7 +50,14 @@ def swarm(tmp_path_factory):
         n1 = lab.start("n1", p1, [n0.addr])
         wait_for("both nodes to train and average", lambda: all(
             p.status()["step"] >= 3 for p in (n0, n1)) and averaged(n0) >= 1, 40)
+        ATTACKER["member"] = Signer(derive_mac_key(lab.swarm.key), Life.throwaway(1))
+        asyncio.run(meet(n0.addr, ATTACKER["member"]))  # the attacks below come from a member
         yield lab, n0, n1
+
+
+async def meet(addr: str, signer: Signer) -> None:
+    async with aiohttp.ClientSession() as session:
+        await hello(session, f"http://{addr}", signer)
 
 
 def averaged(proc) -> int:
@@ -86,11 +100,13 @@ class Attack:
 
 
 def fake_headers(addr: str, route: str, length: int, receiver: str) -> bytes:
-    """A request head with well-formed credentials that do not verify."""
+    """A request head from a member (the fixture's, which said hello: the headers pass and
+    the body is read) whose MAC does not verify."""
+    member = ATTACKER["member"]
     return (f"POST {route} HTTP/1.1\r\nHost: {addr}\r\n"
             f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n"
             f"X-P2P-Version: {PROTOCOL_VERSION}\r\nX-P2P-To: {receiver}\r\n"
-            f"X-P2P-Sender: {secrets.token_hex(16)}\r\nX-P2P-Seq: 1.1\r\n"
+            f"X-P2P-Sender: {member.node_id}\r\nX-P2P-Seq: {member.incarnation}.1\r\n"
             f"X-P2P-MAC: {secrets.token_hex(32)}\r\n\r\n").encode()
 
 

@@ -23,6 +23,7 @@ from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket, paced
 from p2ptrain.net.server import Served, build_app, listen
+from p2ptrain.net.session import Life
 from p2ptrain.proto import Send, wire
 from p2ptrain.proto.gossip.messages import GradientPush
 from p2ptrain.proto.messages import PROTOCOL_VERSION, Envelope, Header, Heartbeat
@@ -30,7 +31,8 @@ from p2ptrain.proto.node import NodeConfig
 from p2ptrain.report import Reporter
 
 KEY = derive_mac_key(bytes(range(32)))
-SENDER, RECEIVER = "a" * 32, "b" * 32
+LIFE_S, LIFE_R = Life.throwaway(1), Life.throwaway(1)  # sender, receiver
+SENDER, RECEIVER = LIFE_S.node_id, LIFE_R.node_id
 BULK_BYTES = 3 << 19  # 1.5 MiB per gradient push
 CAP_MBPS = 8.0
 
@@ -84,13 +86,13 @@ async def until(what: str, check, timeout: float) -> None:
 
 async def scenario(tmp: Path) -> tuple[float, float, list[float]]:
     host = RecordingHost()
-    served = Served(host, ServerAuth(KEY, RECEIVER, 1), TokenBucket(0), True)
+    served = Served(host, ServerAuth(KEY, LIFE_R), TokenBucket(0), True)
     runner = web.AppRunner(build_app(served, lambda: tmp), access_log=None)
     await runner.setup()
     port = await listen(runner, "127.0.0.1", 0)
     addr = f"127.0.0.1:{port}"
     bucket = TokenBucket.mbps(CAP_MBPS)
-    outbox = Outbox.open(Signer(KEY, SENDER, 1), bucket, lambda a, f: None,
+    outbox = Outbox.open(Signer(KEY, LIFE_S), bucket, lambda a, f: None,
                          Reporter("json", out=io.StringIO(), err=io.StringIO()), NodeConfig())
     loop = asyncio.get_running_loop()
     sent: dict[int, float] = {}
@@ -172,11 +174,11 @@ async def two_vectors(tmp: Path) -> tuple[list[tuple[str, int, float]], dict]:
     """A push of 4 chunks (one Send each, as the trainer emits them), and at once another:
     the first goes whole, the second is dropped whole (the peer is busy with the first)."""
     host = RecordingHost()
-    served = Served(host, ServerAuth(KEY, RECEIVER, 1), TokenBucket(0), True)
+    served = Served(host, ServerAuth(KEY, LIFE_R), TokenBucket(0), True)
     runner = web.AppRunner(build_app(served, lambda: tmp), access_log=None)
     await runner.setup()
     addr = f"127.0.0.1:{await listen(runner, '127.0.0.1', 0)}"
-    outbox = Outbox.open(Signer(KEY, SENDER, 1), TokenBucket(0), lambda a, f: None,
+    outbox = Outbox.open(Signer(KEY, LIFE_S), TokenBucket(0), lambda a, f: None,
                          Reporter("json", out=io.StringIO(), err=io.StringIO()), NodeConfig())
     values = np.full(4 * 1024, 1e-3, np.float32)
     try:

@@ -22,6 +22,7 @@ import pytest
 
 from p2ptrain.net.auth import Receiver, Signer, derive_mac_key
 from p2ptrain.net.hello import hello
+from p2ptrain.net.session import Life
 from p2ptrain.proto import PROTOCOL_VERSION
 from tests.swarmlab import SwarmLab, free_ports, get_json, wait_for
 
@@ -75,7 +76,7 @@ def test_a_captured_request_is_refused_by_another_node_and_after_a_restart(tmp_p
         for node in (a, b):
             wait_for(f"{node.addr} to answer", lambda n=node: get_json(n.addr, "/v1/health"), 30)
         key = derive_mac_key(lab.swarm.key)
-        signer = Signer(key, secrets.token_hex(16), 1)
+        signer = Signer(key, Life.throwaway(1))
         headers = capture(signer, a.addr, "/v1/config")
         status, body = http(a.addr, "/v1/config", headers)
         assert status == 200, (status, reason(body))  # the original, delivered once

@@ -34,11 +34,13 @@ from p2ptrain import checkpoint
 from p2ptrain.codecs import HEADER_SIZE, TRAILER_SIZE, encode_vector, make_codec
 from p2ptrain.config import resolve, settings_of, swarm_options
 from p2ptrain.models import build_model
-from p2ptrain.net.auth import Receiver, Signer, derive_mac_key
+from p2ptrain.net import auth as auth_module
+from p2ptrain.net.auth import Receiver, RequestId, Signer, derive_mac_key
 from p2ptrain.net.ckptserve import is_checkpoint_name
 from p2ptrain.net.fetch import FetchError, fetch_latest
 from p2ptrain.net.hello import hello
 from p2ptrain.net.runtime import Runtime
+from p2ptrain.net.session import Life
 from p2ptrain.proto import wire
 from p2ptrain.proto.gossip.messages import GradientPush
 from p2ptrain.proto.messages import (
@@ -110,13 +112,15 @@ class FakePeer:
     """A peer of the swarm, speaking the wire protocol by hand: it never listens (it says it is
     outbound-only, so the node neither probes it nor pushes to it)."""
 
-    def __init__(self, session: aiohttp.ClientSession, addr: str, swarm: Swarm):
+    def __init__(self, session: aiohttp.ClientSession, addr: str, swarm: Swarm,
+                 victim: str | None = None):
         self.session, self.addr, self.swarm = session, addr, swarm
-        self.node_id = random_id()
-        self.signer = Signer(derive_mac_key(swarm.key), self.node_id, 1)
+        self.signer = Signer(derive_mac_key(swarm.key), Life.throwaway(1))
+        self.node_id = self.signer.node_id
         self.beat = 0
         self.fingerprint, self.fields, self.target = "0" * 16, {}, ""
         self.ghost = random_id()
+        self.victim = victim or self.ghost  # a member it poses as (auth_cases)
         self.receiver: Receiver | None = None  # who the node is (learnt by hello)
 
     async def meet(self) -> None:
@@ -155,6 +159,8 @@ class FakePeer:
 
     async def post(self, route: str, data: bytes, signer: Signer | None = None) -> Answer:
         """A signed POST; the answer's MAC is checked (refusals after auth are signed too)."""
+        if signer is not None and not signer.knows(self.receiver):
+            await hello(self.session, f"http://{self.addr}", signer)
         rid, headers = self.sign(route, data, signer)
         answer = await self.send(route, data, headers)
         (signer or self.signer).check_response("POST", route, rid, answer.status,
@@ -229,11 +235,34 @@ def auth_cases(peer: FakePeer) -> list[Case]:
         return peer.send(CONTROL, peer.frame(Ping(1, peer.target)),
                          {"Content-Type": "application/octet-stream"})
 
-    async def wrong_key() -> Answer:
-        other = Signer(derive_mac_key(secrets.token_bytes(32)), peer.node_id, 1)
-        other.seq = peer.signer.seq + 1000  # a fresh sequence: only the key is wrong
-        data = peer.frame(Ping(1, peer.target))
-        return await peer.send(CONTROL, data, peer.sign(CONTROL, data, other)[1])
+    async def get_hello(headers: dict[str, str]) -> Answer:
+        async with peer.session.get(f"http://{peer.addr}/v1/hello", headers=headers) as resp:
+            return Answer(resp.status, await resp.read(), resp.headers)
+
+    def wrong_key() -> Awaitable[Answer]:  # a stranger cannot even say hello
+        other = Signer(derive_mac_key(secrets.token_bytes(32)), Life.throwaway(1))
+        return get_hello(other.hello_headers(secrets.token_hex(16)))
+
+    async def posing() -> Answer:
+        """A member signs a request under another member's id, at an incarnation of 10^18,
+        with the swarm key: had the node taken it, its replay window would refuse that
+        member's own requests for good."""
+        assert peer.receiver is not None
+        data = peer.frame(Ping(1, peer.target), sender=peer.victim)
+        rid = RequestId(peer.victim, 10**18, 1, peer.receiver)
+        mac = auth_module._mac(derive_mac_key(peer.swarm.key), auth_module._REQ_TAG,
+                               rid.fields("POST", CONTROL), data)
+        return await peer.send(CONTROL, data, {
+            "X-P2P-Version": str(PROTOCOL_VERSION), "X-P2P-Sender": peer.victim,
+            "X-P2P-Seq": f"{10**18}.1", "X-P2P-To": peer.receiver.header(), "X-P2P-MAC": mac,
+            "Content-Type": "application/octet-stream"})
+
+    def posing_hello() -> Awaitable[Answer]:  # its own card under the other's id
+        headers = peer.signer.hello_headers(secrets.token_hex(16))
+        card, nonce = headers["X-P2P-Card"], headers["X-P2P-Nonce"]
+        return get_hello({**headers, "X-P2P-Sender": peer.victim, "X-P2P-MAC": auth_module._mac(
+            derive_mac_key(peer.swarm.key), auth_module._HELLO_TAG, (peer.victim, nonce, card),
+            b"")})
 
     sent: list[tuple[bytes, dict[str, str]]] = []
 
@@ -255,7 +284,9 @@ def auth_cases(peer: FakePeer) -> list[Case]:
         return await peer.send(CONTROL, bytes(bad), headers)
 
     return [Case("no MAC headers", 401, "no MAC", no_mac),
-            Case("wrong swarm key", 401, "does not verify", wrong_key),
+            Case("wrong swarm key", 401, "wrong swarm key", wrong_key),
+            Case("request under another member's id", 401, "say hello", posing),
+            Case("hello under another member's id", 401, "not node", posing_hello),
             Case("replayed request", 401, "replay", replayed, send_once),
             Case("body altered after signing", 401, "does not verify", altered)]
 
@@ -321,8 +352,8 @@ def gossip_cases(peer: FakePeer, n: int) -> list[Case]:
         return lambda: peer.post(GOSSIP, peer.frame(GradientPush(1, 1.0, chunk),
                                                     **{**peer.poison(), **header}), signer)
 
-    outsider = random_id()
-    outsider_signer = Signer(derive_mac_key(peer.swarm.key), outsider, 1)
+    outsider_signer = Signer(derive_mac_key(peer.swarm.key), Life.throwaway(1))
+    outsider = outsider_signer.node_id
     good = gradient_chunk(peer.node_id, ones, samples=101)
     with_nan = with_payload(gradient_chunk(peer.node_id, ones, samples=102), 4 * (n // 2), nan)
     return [
@@ -509,10 +540,10 @@ def test_a_gradient_the_mixer_refuses_changes_nothing(tmp_path):
 # -- part 2: a training process under a burst of bad requests ---------------------------------
 
 
-async def _burst(addr: str, swarm: Swarm, n: int) -> tuple[int, int, list]:
+async def _burst(addr: str, swarm: Swarm, n: int, victim: str) -> tuple[int, int, list]:
     seen: list[tuple[str, int, str]] = []
     async with aiohttp.ClientSession() as session:
-        peer = FakePeer(session, addr, swarm)
+        peer = FakePeer(session, addr, swarm, victim)
         await peer.join()
         cases = (auth_cases(peer) + size_cases(peer) + frame_cases(peer, n)
                  + gossip_cases(peer, n))
@@ -544,16 +575,18 @@ def test_a_training_node_shrugs_off_a_burst_of_bad_requests(tmp_path):
         cfg = resolve(str(lab.config), {}, {})
         n = build_model(cfg["model.name"], cfg.model_config()).space.n_params
         before = first.status()["runtime"]
-        n_auth, n_bad, seen = asyncio.run(_burst(first.addr, lab.swarm, n))
-        step = first.status()["step"]
+        second_id = second.status()["node_id"]  # the burst also poses as it
+        n_auth, n_bad, seen = asyncio.run(_burst(first.addr, lab.swarm, n, second_id))
+        step, refused = first.status()["step"], first.status()["runtime"].get("refused_auth", 0)
         doc = wait_for("the node to keep stepping", lambda: (
             lambda d: d["step"] >= step + 10 and d)(first.status()), 30)
+        # the other node's own requests, many since, were all taken: none refused
+        assert doc["runtime"].get("refused_auth", 0) == refused
         print_seen(f"burst against a training node (step {step} -> {doc['step']}):", seen[:20])
         after = doc["runtime"]
         for key, sent in (("refused_auth", n_auth), ("refused_bad_input", n_bad)):
             assert after.get(key, 0) - before.get(key, 0) >= sent, (key, before, after)
         assert np.isfinite(doc["loss"])
-        second_id = second.status()["node_id"]
         wait_for("the other node alive in its view", lambda: second_id in {
             m["node_id"] for m in first.status()["members"] if m["state"] == "alive"}, 30)
         assert lab.stop_all() == [0, 0]
@@ -563,7 +596,7 @@ def test_a_training_node_shrugs_off_a_burst_of_bad_requests(tmp_path):
 
 
 async def _fetch(addr: str, swarm: Swarm, out: Path, expected: str) -> Path:
-    signer = Signer(derive_mac_key(swarm.key), random_id(), 0)
+    signer = Signer(derive_mac_key(swarm.key), Life.throwaway(0))
     async with aiohttp.ClientSession() as session:
         return await fetch_latest(session, f"http://{addr}", signer, out,
                                   expected_leader=expected, chunk_retries=2, timeout=10)

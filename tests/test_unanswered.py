@@ -25,6 +25,7 @@ from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.server import Served, build_app, listen
+from p2ptrain.net.session import Life
 from p2ptrain.proto import Send, Unanswered, wire
 from p2ptrain.proto.gossip.answer import MAX_REST, UNANSWERED_REST
 from p2ptrain.proto.gossip.config import GossipConfig
@@ -159,8 +160,13 @@ class Host(RecordingHost):
         return 200, [wire.encode(reply)], ""
 
 
+# the network part: real lives (the transport binds a sender to its identity key)
+LIFE_A, LIFE_B = Life.throwaway(1), Life.throwaway(1)
+NA, NB = LIFE_A.node_id, LIFE_B.node_id
+
+
 class ServerThread:
-    """A real server in a thread of its own (its host may block, as a busy node's can)."""
+    """NA real server in a thread of its own (its host may block, as a busy node's can)."""
 
     def __init__(self, host: Host, tmp: Path):
         self.host, self.tmp, self.port = host, tmp, None
@@ -170,7 +176,7 @@ class ServerThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        served = Served(self.host, ServerAuth(KEY, B, 1), TokenBucket(0), True)
+        served = Served(self.host, ServerAuth(KEY, LIFE_B), TokenBucket(0), True)
         self.runner = web.AppRunner(build_app(served, lambda: self.tmp), access_log=None)
         self.loop.run_until_complete(self.runner.setup())
         self.port = self.loop.run_until_complete(listen(self.runner, "127.0.0.1", 0))
@@ -190,9 +196,9 @@ class ServerThread:
 
 def request(seed: int, part: int) -> Envelope:
     values = np.full(256, 1e-3, np.float32)
-    (chunk,) = encode_vector(make_codec("fp16"), values, sender_id=bytes.fromhex(A),
+    (chunk,) = encode_vector(make_codec("fp16"), values, sender_id=bytes.fromhex(NA),
                              swarm_samples=1, weight=1.0, seed=seed)
-    return Envelope(Header(PROTOCOL_VERSION, A, 1, "127.0.0.1:9", "0" * 16, 0, seed, 2, None,
+    return Envelope(Header(PROTOCOL_VERSION, NA, 1, "127.0.0.1:9", "0" * 16, 0, seed, 2, None,
                            ()), AverageRequest(seed, 1, {}, (bytes(chunk),), part, 3))
 
 
@@ -200,12 +206,12 @@ async def post_one(addr: str, seed: int, part: int) -> list[tuple]:
     """Post one averaging request through a real outbox; what it reported, in order."""
     events: list[tuple] = []
     config = NodeConfig(average_timeout=1.0, gossip=GossipConfig(average_timeout_max=1.0))
-    outbox = Outbox.open(Signer(KEY, A, 1), TokenBucket(0),
+    outbox = Outbox.open(Signer(KEY, LIFE_A), TokenBucket(0),
                          lambda a, frames: events.append(("frames", len(frames))),
                          Reporter("json", out=io.StringIO(), err=io.StringIO()), config)
     outbox.on_unanswered = lambda *ask: events.append(("unanswered", *ask))
     try:
-        outbox.send(Send(B, addr, request(seed, part)))
+        outbox.send(Send(NB, addr, request(seed, part)))
         await until("the request's end", lambda: any(e[0] == "unanswered" for e in events), 30)
     finally:
         await outbox.close()
@@ -216,14 +222,14 @@ async def post_one(addr: str, seed: int, part: int) -> list[tuple]:
 def test_the_outbox_reports_every_averaging_requests_end_after_its_frames(tmp_path, mode):
     with ServerThread(Host(mode), tmp_path) as addr:
         events = asyncio.run(post_one(addr, 77, 1))
-    end = ("unanswered", B, 77, 1, mode == "slow")
+    end = ("unanswered", NB, 77, 1, mode == "slow")
     assert events == ([("frames", 1), end] if mode == "reply" else [end])
 
 
 def test_the_outbox_reports_a_request_to_a_closed_port(tmp_path):
     with ServerThread(Host("reply"), tmp_path) as addr:
         pass  # the server is gone: connection refused
-    assert asyncio.run(post_one(addr, 5, 0)) == [("unanswered", B, 5, 0, False)]
+    assert asyncio.run(post_one(addr, 5, 0)) == [("unanswered", NB, 5, 0, False)]
 
 
 def test_the_outbox_reports_a_request_too_large_to_send(monkeypatch, tmp_path):
@@ -231,7 +237,7 @@ def test_the_outbox_reports_a_request_too_large_to_send(monkeypatch, tmp_path):
 
     monkeypatch.setattr(wire_module, "MAX_BLOB", 16)  # every averaging request too large
     with ServerThread(Host("reply"), tmp_path) as addr:
-        assert asyncio.run(post_one(addr, 9, 2)) == [("unanswered", B, 9, 2, False)]
+        assert asyncio.run(post_one(addr, 9, 2)) == [("unanswered", NB, 9, 2, False)]
 
 
 # -- what the outbox reads of a response ----------------------------------------------------------
@@ -244,9 +250,9 @@ class BigReplies(Host):
 
     def deliver(self, envelope, remote, sender, size):
         (chunk,) = encode_vector(make_codec("fp16"), np.zeros(1 << 20, np.float32),
-                                 sender_id=bytes.fromhex(B), swarm_samples=1, weight=1.0,
+                                 sender_id=bytes.fromhex(NB), swarm_samples=1, weight=1.0,
                                  seed=1, chunk_elems=1 << 20)
-        reply = Envelope(Header(PROTOCOL_VERSION, B, 1, "127.0.0.1:9", "0" * 16, 0, 1, 2, None,
+        reply = Envelope(Header(PROTOCOL_VERSION, NB, 1, "127.0.0.1:9", "0" * 16, 0, 1, 2, None,
                                 ()), AverageReply(1, 1, {}, (bytes(chunk),), 0, 1))
         return 200, [wire.encode(reply)], ""
 
@@ -256,14 +262,14 @@ async def post_both(addr: str, first: Envelope, second: Envelope
     """Post two messages, one after the other, through one real outbox: for each, the sizes
     of the frames handed on from its response and the outbox's failures by address."""
     seen: list[int] = []
-    outbox = Outbox.open(Signer(KEY, A, 1), TokenBucket(0),
+    outbox = Outbox.open(Signer(KEY, LIFE_A), TokenBucket(0),
                          lambda a, fs: seen.extend(len(f) for f in fs),
                          Reporter("json", out=io.StringIO(), err=io.StringIO()), NodeConfig())
     results = []
     try:
         for envelope in (first, second):
             ended = sum(outbox.stats.values())
-            outbox.send(Send(B, addr, envelope))
+            outbox.send(Send(NB, addr, envelope))
             await until("the post's end", lambda n=ended: sum(outbox.stats.values()) > n, 30)
             results.append((list(seen), dict(outbox.last_error)))
             seen.clear()
@@ -276,8 +282,8 @@ async def post_both(addr: str, first: Envelope, second: Envelope
 def test_a_response_is_read_only_as_far_as_its_route_can_answer(tmp_path):
     from p2ptrain.proto.messages import Ping
 
-    ping = Envelope(Header(PROTOCOL_VERSION, A, 1, "127.0.0.1:9", "0" * 16, 0, 3, 2, None, ()),
-                    Ping(1, B))
+    ping = Envelope(Header(PROTOCOL_VERSION, NA, 1, "127.0.0.1:9", "0" * 16, 0, 3, 2, None, ()),
+                    Ping(1, NB))
     with ServerThread(BigReplies("reply"), tmp_path) as addr:
         (to_ping, ping_errors), (to_request, request_errors) = asyncio.run(
             post_both(addr, ping, request(7, 0)))

@@ -16,8 +16,9 @@ from p2ptrain.swarm import Swarm
 
 def throwaway_signer(swarm: Swarm):
     from p2ptrain.net.auth import Signer, derive_mac_key
+    from p2ptrain.net.session import Life
 
-    return Signer(derive_mac_key(swarm.key), secrets.token_hex(16), 0)
+    return Signer(derive_mac_key(swarm.key), Life.throwaway(0))
 
 
 async def candidates(swarm: Swarm, peers: list[str], timeout: float, rounds: bool = False,

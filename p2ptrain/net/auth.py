@@ -1,5 +1,7 @@
-"""Message authentication on the MAC routes: HMAC-SHA256 keyed by the swarm key, bound to the
-receiver, and replay refusal by per-sender (incarnation, sequence).
+"""Message authentication on the MAC routes: HMAC-SHA256 keyed by a *pair key* of the sender's
+and the receiver's lives (session.py: the swarm key admits, each member's own keys bind what
+it says of itself), bound to the receiver, and replay refusal by per-sender (incarnation,
+sequence).
 
 A request carries five headers:
 
@@ -8,28 +10,33 @@ A request carries five headers:
     X-P2P-Seq      "<incarnation>.<sequence>": incarnation bumped at every start of the sender,
                    sequence counting its requests since that start
     X-P2P-To       "<node id>.<incarnation>" of the receiver the request is meant for
-    X-P2P-MAC      hex HMAC-SHA256 over a domain tag (naming the protocol version), method,
-                   path, sender, incarnation, sequence, receiver id, receiver incarnation and
-                   the body
+    X-P2P-MAC      hex HMAC-SHA256, keyed by the two lives' pair key, over a domain tag (naming
+                   the protocol version), method, path, sender, incarnation, sequence,
+                   receiver id, receiver incarnation and the body
 
-A response carries `X-P2P-Sender` (the responder) and `X-P2P-MAC` over the tag, method, path,
-the responder's id and incarnation (those the request named), the *request's* sender,
-incarnation and sequence, the status and the body: it is bound to the one request it answers,
-so it cannot be replayed onto another, and to the life of the node that answered it.
+A response carries `X-P2P-Sender` (the responder) and `X-P2P-MAC` (the same pair key) over the
+tag, method, path, the responder's id and incarnation (those the request named), the
+*request's* sender, incarnation and sequence, the status and the body: it is bound to the one
+request it answers, so it cannot be replayed onto another, and to the life of the node that
+answered it.
 
-Why the receiver is named: a captured request could otherwise be played to another member
-(the key is the swarm's, not the pair's) or to the same node after a restart (its replay
-window lives in memory). Bound to (receiver id, receiver incarnation), it is refused by every
-other node and by every later life of its receiver, since incarnations only grow.
+Why the receiver is named: a captured request could otherwise be played to the same node
+after a restart (its replay window lives in memory). Bound to (receiver id, receiver
+incarnation), it is refused by every later life of its receiver, since incarnations only grow.
 
-How a sender learns the receiver before its first request: the hello exchange (hello.py).
-`GET /v1/hello` carries a sender-chosen random nonce and a MAC over (sender, nonce); the node
-answers with its id, incarnation and protocol version, MACed over the nonce, the asker and
-the answer, so only a holder of the swarm key can make it and an old answer cannot be
-replayed. The outbox says hello once per address (and again when a receiver refuses a
-request as meant for another node or life), and so do the token-only `GET /v1/config`
-fetch and `checkpoint fetch`: a `--peer HOST:PORT` seed, a DNS seed and an mDNS find all
-start from an address alone.
+How a sender learns the receiver, and the two their pair key, before its first request: the
+hello exchange (hello.py). `GET /v1/hello` carries a sender-chosen random nonce, the sender's
+card (session.py) and a MAC over (sender, nonce, card) with the swarm key; the node checks the
+card (its identity key hashes to the sender's id, its signature verifies), keeps the sender's
+life and their pair key, and answers with its id, incarnation, protocol version and card,
+MACed with the pair key over the nonce, the asker and the answer -- so only the node whose id
+it claims can make it, and an old answer cannot be replayed. A hello of an older life of a
+sender than one already seen is refused. The node keeps the last `MAX_SENDERS` senders' lives;
+a request from a sender it has no hello of (in that incarnation) is refused, and the sender
+says hello again. The outbox says hello once per address (and again when a receiver refuses a
+request), and so do the token-only `GET /v1/config` fetch and `checkpoint fetch` (under a
+throwaway identity): a `--peer HOST:PORT` seed, a DNS seed and an mDNS find all start from an
+address alone.
 
 Replays are refused without any wall clock (Pis have no real-time clock): for each sender the
 receiver keeps the newest incarnation and a sliding window of the sequences seen in it. A
@@ -43,10 +50,11 @@ body streams in (`Pending`) and the replay window records the request only once 
 verified. Everything is constant-time compared. No I/O, no clock.
 
 Key rotation (keyring.py): a node may hold the swarm's current key and, for a grace period,
-the previous one. It accepts requests and hellos MACed with either while the grace lasts and
-answers each with the key it came in with (`RequestId.key`); toward a peer that answered its
-hello only to the previous key it signs with that key, while the grace lasts. After the grace
-a request MACed with the previous key is refused with a reason saying the key was rotated.
+the previous one. It accepts hellos MACed with either while the grace lasts, and a pair key is
+derived from the swarm key its hello verified with; a peer that answered a hello only to the
+previous key is reached with a pair key of the previous key, while the grace lasts. After the
+grace a request whose pair key came from the previous key is refused with a reason saying the
+key was rotated, and the sender's next hello uses the current key.
 """
 
 from __future__ import annotations
@@ -60,10 +68,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from p2ptrain.net.keyring import ROTATED, Keyring, keyring
+from p2ptrain.net.session import Card, CardError, Life
 from p2ptrain.proto import PROTOCOL_VERSION
 
 SENDER, SEQ, MAC = "X-P2P-Sender", "X-P2P-Seq", "X-P2P-MAC"
 VERSION, TO, NONCE = "X-P2P-Version", "X-P2P-To", "X-P2P-Nonce"
+CARD = "X-P2P-Card"  # a hello's card (session.py)
 REPLAY_WINDOW = 1024  # sequences behind the newest still accepted (once each)
 MAX_SENDERS = 8192  # senders remembered; the least recently heard is forgotten first
 MAX_RECEIVERS = 8192  # receivers a signer numbers separately (a forgotten one starts above all)
@@ -155,7 +165,7 @@ class RequestId:
     incarnation: int
     seq: int
     to: Receiver | None = None
-    # the MAC key the request was signed or verified with: its response uses the same one
+    # the pair key the request was signed or verified with: its response uses the same one
     key: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def fields(self, method: str, path: str) -> tuple[str, ...]:
@@ -166,74 +176,95 @@ class RequestId:
 
 class Signer:
     """Signs this node's outgoing requests and checks the responses to them. `keys` is the
-    swarm's MAC key, or a Keyring during a key rotation (see the module docstring)."""
+    swarm's MAC key, or a Keyring during a key rotation (see the module docstring); `life`
+    is this node's life (session.py), whose card every hello carries."""
 
-    def __init__(self, keys: bytes | Keyring, node_id: str, incarnation: int):
-        if not _is_node_id(node_id) or incarnation < 0:
-            raise ValueError("bad node id or incarnation")
+    def __init__(self, keys: bytes | Keyring, life: Life):
         self.keys = keyring(keys)
-        self.key, self.node_id, self.incarnation = self.keys.current, node_id, incarnation
+        self.life = life
+        self.key, self.node_id, self.incarnation = self.keys.current, life.node_id, life.incarnation
         self.seq = 0  # the highest sequence issued, to anyone
         self._seqs: OrderedDict[str, int] = OrderedDict()  # receiver -> its last sequence
-        self.on_previous: set[str] = set()  # node ids that answered hello to the previous key
+        # receiver -> (its incarnation, our pair key, the swarm key the hello verified with)
+        self._pairs: OrderedDict[str, tuple[int, bytes, bytes]] = OrderedDict()
 
-    def key_for(self, node_id: str) -> bytes:
-        """The key to sign with toward `node_id`: the previous one while the grace lasts if
-        that node only answered to it, else the current one."""
-        if node_id in self.on_previous:
-            if self.keys.in_grace():
-                assert self.keys.previous is not None
-                return self.keys.previous
-            self.on_previous.clear()  # the grace is over: the current key for everyone
-        return self.key
+    def knows(self, to: Receiver) -> bool:
+        """Whether a pair key with that life of the receiver is held and still accepted (the
+        swarm key it came from not retired): else say hello again."""
+        pair = self._pairs.get(to.node_id)
+        return (pair is not None and pair[0] == to.incarnation
+                and pair[2] in self.keys.accepted())
 
     def hello_keys(self) -> tuple[bytes, ...]:
         """The keys a hello may try, in order: the current one, then (during the grace) the
         previous one."""
         return self.keys.accepted()
 
-    def learnt(self, node_id: str, key: bytes) -> None:
-        """`node_id` answered a hello made with `key`: sign with that key toward it."""
-        if key == self.key:
-            self.on_previous.discard(node_id)
-        else:
-            self.on_previous.add(node_id)
-
     def sign_request(self, method: str, path: str, body: bytes | memoryview = b"", *,
                      to: Receiver) -> tuple[RequestId, dict[str, str]]:
         """Headers for one request meant for `to` (each call uses a new sequence number,
-        counted per receiver; a receiver new or forgotten continues above every one issued)."""
+        counted per receiver; a receiver new or forgotten continues above every one issued).
+        AuthError if no hello with that life of `to` holds a pair key (`knows`)."""
+        if not self.knows(to):
+            raise AuthError(f"no hello with node {to.node_id} (incarnation {to.incarnation}) "
+                            f"yet: say hello first")
+        key = self._pairs[to.node_id][1]
         seq = self._seqs.pop(to.node_id, self.seq) + 1
         self._seqs[to.node_id] = seq
         if len(self._seqs) > MAX_RECEIVERS:
             self._seqs.popitem(last=False)
         self.seq = max(self.seq, seq)
-        key = self.key_for(to.node_id)
         rid = RequestId(self.node_id, self.incarnation, seq, to, key)
         mac = _mac(key, _REQ_TAG, rid.fields(method, path), body)
         return rid, {VERSION: str(PROTOCOL_VERSION), SENDER: rid.sender,
                      SEQ: f"{rid.incarnation}.{rid.seq}", TO: to.header(), MAC: mac}
 
     def hello_headers(self, nonce: str, key: bytes | None = None) -> dict[str, str]:
-        """Headers of a hello request carrying `nonce` (32 hex), MACed with `key` (default:
-        the current key)."""
-        return {VERSION: str(PROTOCOL_VERSION), SENDER: self.node_id, NONCE: nonce,
-                MAC: _mac(key or self.key, _HELLO_TAG, (self.node_id, nonce), b"")}
+        """Headers of a hello request carrying `nonce` (32 hex) and our card, MACed with `key`
+        (default: the current key)."""
+        card = self.life.card.text()
+        return {VERSION: str(PROTOCOL_VERSION), SENDER: self.node_id, NONCE: nonce, CARD: card,
+                MAC: _mac(key or self.key, _HELLO_TAG, (self.node_id, nonce, card), b"")}
 
     def check_welcome(self, nonce: str, headers: Mapping[str, str], body: bytes,
-                      key: bytes | None = None) -> None:
-        """AuthError unless `body` is a hello answer to our `nonce` made with the swarm key
-        (`key`, default the current one: the key the hello was made with)."""
-        want = _mac(key or self.key, _WELCOME_TAG, (nonce, self.node_id), body)
+                      key: bytes | None = None) -> Receiver:
+        """The node that answered our hello with `nonce` (made with the swarm key `key`,
+        default the current one), its pair key now kept; AuthError unless `body` is its
+        answer, its card verifies and the answer's MAC is made with our pair key."""
+        key = key or self.key
+        try:
+            doc = json.loads(body)
+            node_id, inc, card_text = doc["node_id"], doc["incarnation"], doc["card"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise AuthError("malformed hello answer") from None
+        receiver = Receiver.parse(f"{node_id}.{inc}") if isinstance(node_id, str) \
+            and type(inc) is int else None
+        if receiver is None:
+            raise AuthError("malformed hello answer")
+        try:
+            card = Card.parse(card_text, receiver.node_id)
+            pair = self.life.pair_key(key, card)
+        except CardError as exc:
+            raise AuthError(f"hello answer: {exc}") from None
+        if card.incarnation != receiver.incarnation:
+            raise AuthError("hello answer's card names another life of the node")
+        want = _mac(pair, _WELCOME_TAG, (nonce, self.node_id), body)
         mac = headers.get(MAC, "")  # its shape first: compare_digest raises on non-ASCII
         if not (_is_mac(mac) and hmac.compare_digest(want, mac)):
-            raise AuthError("hello answer does not verify (not a member of this swarm?)")
+            raise AuthError("hello answer does not verify (not a member of this swarm, or "
+                            "not the node it names)")
+        self._pairs[receiver.node_id] = (receiver.incarnation, pair, key)
+        self._pairs.move_to_end(receiver.node_id)
+        while len(self._pairs) > MAX_RECEIVERS:
+            self._pairs.popitem(last=False)
+        return receiver
 
     def check_response(self, method: str, path: str, rid: RequestId, status: int,
                        headers: Mapping[str, str], body: bytes | memoryview) -> str:
         """The responder's node id, if the response is authentic for request `rid` (checked
-        with the key the request was signed with)."""
-        return check_response(rid.key or self.key, method, path, rid, status, headers, body)
+        with the pair key the request was signed with)."""
+        assert rid.key is not None
+        return check_response(rid.key, method, path, rid, status, headers, body)
 
 
 def check_response(key: bytes, method: str, path: str, rid: RequestId, status: int,
@@ -285,32 +316,28 @@ def parse_request(headers: Mapping[str, str]) -> RequestId:
 
 
 class Pending:
-    """A request whose headers passed: feed the body as it streams, then `finish`. During a
-    key rotation the MAC is computed with each key the node knows (at most two)."""
+    """A request whose headers passed: feed the body as it streams, then `finish`."""
 
-    def __init__(self, keys: bytes | Keyring, method: str, path: str, rid: RequestId, mac: str,
-                 guard: ReplayGuard):
+    def __init__(self, keys: Keyring, method: str, path: str, rid: RequestId, mac: str,
+                 guard: ReplayGuard, pair: bytes, swarm_key: bytes):
         self.rid, self._mac, self._guard = rid, mac, guard
-        self._keys = keyring(keys)
-        fields = rid.fields(method, path)
-        self._hs = [(k, _start(k, _REQ_TAG, fields)) for k in self._keys.known()]
+        self._keys, self._pair, self._swarm_key = keys, pair, swarm_key
+        self._h = _start(pair, _REQ_TAG, rid.fields(method, path))
 
     def update(self, piece: bytes | memoryview) -> None:
-        for _, h in self._hs:
-            h.update(piece)
+        self._h.update(piece)
 
     def finish(self) -> RequestId:
-        """The request's id, naming the key it verified with, if the MAC over everything fed
-        verifies with a key accepted now (then it is recorded in the replay window);
-        AuthError otherwise."""
-        key = next((k for k, h in self._hs if hmac.compare_digest(h.hexdigest(), self._mac)),
-                   None)
-        if key is None:
-            raise AuthError("request MAC does not verify (wrong swarm key?)")
-        if not self._keys.accepts(key):
+        """The request's id, carrying the pair key it verified with, if the MAC over
+        everything fed verifies and the swarm key of the pair's hello is accepted now (then it
+        is recorded in the replay window); AuthError otherwise."""
+        if not hmac.compare_digest(self._h.hexdigest(), self._mac):
+            raise AuthError("request MAC does not verify (wrong swarm key, or not the sender "
+                            "it names?)")
+        if not self._keys.accepts(self._swarm_key):
             raise AuthError(ROTATED)
         self._guard.check(self.rid)
-        return replace(self.rid, key=key)
+        return replace(self.rid, key=self._pair)
 
 
 class ReplayGuard:
@@ -320,6 +347,11 @@ class ReplayGuard:
         self.window, self.max_senders = window, max_senders
         # sender -> (incarnation, newest seq, bitmask of seen seqs: bit i = newest - i)
         self._seen: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
+
+    def incarnation(self, sender: str) -> int:
+        """The newest incarnation of `sender` recorded (-1: none)."""
+        entry = self._seen.get(sender)
+        return -1 if entry is None else entry[0]
 
     def peek(self, rid: RequestId) -> None:
         """AuthError if `check` would refuse `rid`; records nothing (safe before the MAC)."""
@@ -366,16 +398,19 @@ class ReplayGuard:
 
 
 class ServerAuth:
-    """A server's side: check a request's headers (version, shape, receiver, replay window),
-    its MAC as the body streams, then record it; sign the response to it; answer hellos.
-    `keys` is the swarm's MAC key, or a Keyring during a key rotation."""
+    """A server's side: answer hellos (keeping each sender's life and pair key), check a
+    request's headers (version, shape, receiver, a hello of that life, replay window), its
+    MAC as the body streams, then record it; sign the response to it. `keys` is the swarm's
+    MAC key, or a Keyring during a key rotation; `life` is this node's life (session.py)."""
 
-    def __init__(self, keys: bytes | Keyring, node_id: str, incarnation: int):
-        if not _is_node_id(node_id) or incarnation < 0:
-            raise ValueError("bad node id or incarnation")
+    def __init__(self, keys: bytes | Keyring, life: Life, max_senders: int = MAX_SENDERS):
         self.keys = keyring(keys)
-        self.key, self.node_id, self.incarnation = self.keys.current, node_id, incarnation
-        self.guard = ReplayGuard()
+        self.life = life
+        self.key, self.node_id, self.incarnation = self.keys.current, life.node_id, life.incarnation
+        self.guard = ReplayGuard(max_senders=max_senders)
+        self.max_senders = max_senders
+        # sender -> (its incarnation, our pair key, the swarm key its hello verified with)
+        self._pairs: OrderedDict[str, tuple[int, bytes, bytes]] = OrderedDict()
 
     def begin(self, method: str, path: str, headers: Mapping[str, str]) -> Pending:
         """Check everything but the MAC, before any body byte is read; AuthError (401, or
@@ -389,8 +424,12 @@ class ServerAuth:
             raise AuthError(f"request is addressed to incarnation {rid.to.incarnation} of this "
                             f"node, which runs incarnation {self.incarnation} (a replay, or a "
                             f"sender that has not said hello since this node restarted)")
+        pair = self._pairs.get(rid.sender)
+        if pair is None or pair[0] != rid.incarnation:
+            raise AuthError(f"no hello from node {rid.sender} in incarnation {rid.incarnation}"
+                            f" here: say hello first")
         self.guard.peek(rid)
-        return Pending(self.keys, method, path, rid, headers[MAC], self.guard)
+        return Pending(self.keys, method, path, rid, headers[MAC], self.guard, pair[1], pair[2])
 
     def verify(self, method: str, path: str, headers: Mapping[str, str],
                body: bytes | memoryview) -> RequestId:
@@ -401,27 +440,45 @@ class ServerAuth:
 
     def sign(self, method: str, path: str, rid: RequestId, status: int,
              body: bytes | memoryview) -> dict[str, str]:
-        """Headers authenticating our response to `rid` (which named us), MACed with the key
-        the request came in with."""
-        key = rid.key if rid.key in self.keys.known() else self.key
-        return response_headers(key, method, path, rid, status, body)
+        """Headers authenticating our response to `rid` (which named us and verified), MACed
+        with the pair key the request came in with."""
+        assert rid.key is not None, "only a verified request is answered with a MAC"
+        return response_headers(rid.key, method, path, rid, status, body)
 
     def welcome(self, headers: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:
-        """The answer to a hello request (body, headers): our id, incarnation and protocol
-        version, MACed over the asker's nonce; AuthError if the hello is not authentic."""
+        """The answer to a hello request (body, headers): our id, incarnation, protocol
+        version and card, MACed with our new pair key over the asker's nonce; AuthError if
+        the hello is not authentic (the swarm key's MAC, the asker's card) or comes from an
+        older life of its sender than one seen."""
         check_version(headers)
         sender, nonce, mac = headers.get(SENDER, ""), headers.get(NONCE, ""), headers.get(MAC, "")
+        card_text = headers.get(CARD, "")
         if not mac:
             raise AuthError("request carries no MAC")
-        if not (_is_node_id(sender) and _is_node_id(nonce) and _is_mac(mac)):
+        if not (_is_node_id(sender) and _is_node_id(nonce) and _is_mac(mac)
+                and card_text.isascii() and 0 < len(card_text) <= 400):
             raise AuthError("malformed hello headers")
         key = next((k for k in self.keys.known() if hmac.compare_digest(
-            _mac(k, _HELLO_TAG, (sender, nonce), b""), mac)), None)
+            _mac(k, _HELLO_TAG, (sender, nonce, card_text), b""), mac)), None)
         if key is None:
             raise AuthError("hello MAC does not verify (wrong swarm key?)")
         if not self.keys.accepts(key):
             raise AuthError(ROTATED)
+        try:
+            card = Card.parse(card_text, sender)
+            pair = self.life.pair_key(key, card)
+        except CardError as exc:
+            raise AuthError(f"hello: {exc}") from None
+        known = max(self._pairs.get(sender, (-1,))[0], self.guard.incarnation(sender))
+        if card.incarnation < known:
+            raise AuthError(f"hello from incarnation {card.incarnation} of node {sender}, "
+                            f"older than {known}")
+        self._pairs[sender] = (card.incarnation, pair, key)
+        self._pairs.move_to_end(sender)
+        while len(self._pairs) > self.max_senders:
+            self._pairs.popitem(last=False)
         body = json.dumps({"node_id": self.node_id, "incarnation": self.incarnation,
-                           "version": PROTOCOL_VERSION}, separators=(",", ":")).encode()
+                           "version": PROTOCOL_VERSION, "card": self.life.card.text()},
+                          separators=(",", ":")).encode()
         return body, {SENDER: self.node_id,
-                      MAC: _mac(key, _WELCOME_TAG, (nonce, sender), body)}
+                      MAC: _mac(pair, _WELCOME_TAG, (nonce, sender), body)}

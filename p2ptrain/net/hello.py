@@ -2,21 +2,24 @@
 before its first request (every request names its receiver, see auth.py).
 
     GET /v1/hello   headers X-P2P-Version, X-P2P-Sender, X-P2P-Nonce (32 random hex chosen by
-                    the asker) and X-P2P-MAC over (sender, nonce). Answer 200 with
-                    {"node_id", "incarnation", "version"} and a MAC over (nonce, asker, body).
+                    the asker), X-P2P-Card (the asker's card: session.py) and X-P2P-MAC with
+                    the swarm key over (sender, nonce, card). Answer 200 with {"node_id",
+                    "incarnation", "version", "card"} and a MAC with the two lives' pair key
+                    over (nonce, asker, body).
 
 Only a holder of the swarm key can ask (401 otherwise, which tells a token-only joiner that
-its token is wrong) or answer (a stranger cannot pose as a member), and a fresh nonce per
-hello means an old answer -- an earlier life of the node -- cannot be played back. The
-answer changes nothing on the node, so a replayed hello request is harmless and hellos are
-not in the replay window. A node of protocol 1 has no such route: its 404 is reported as "an
-older p2ptrain".
+its token is wrong); only the node whose id the answer names can make it (the pair key needs
+its card's private half), and a fresh nonce per hello means an old answer -- an earlier life
+of the node -- cannot be played back. The answer keeps the asker's life and pair key on the
+node; a replayed hello request re-derives the same key, and one of an older life than the
+node has seen is refused, so hellos are not in the replay window. A node of protocol 1 has no
+such route: its 404 is reported as "an older p2ptrain".
 
 During a key rotation (keyring.py) a hello is made with the current key and, if the node
 refuses it (401) while the previous key's grace lasts, once more with the previous key: a
-member that does not hold the new key yet still answers, and the signer remembers to sign
-toward it with the previous key (auth.Signer.learnt). The node asked answers with the key the
-hello came in with.
+member that does not hold the new key yet still answers, and the pair key made then derives
+from the previous key (auth.Signer). The node asked answers with the key the hello came in
+with.
 
 Who says hello: the outbox, once per address (`Receivers`), again when a receiver refuses a
 request as meant for another node or life; the token-only configuration fetch and
@@ -63,7 +66,6 @@ async def hello(session: aiohttp.ClientSession, base: str, signer: Signer,
             if i + 1 == len(keys):
                 raise
             continue
-        signer.learnt(receiver.node_id, key)
         return receiver
     raise AssertionError("a signer always has a key")
 
@@ -90,22 +92,15 @@ async def _hello(session: aiohttp.ClientSession, base: str, signer: Signer, key:
     if status != 200 or len(body) > MAX_ANSWER:
         raise HelloError(f"{base} refused our hello (HTTP {status}: {_reason(body)})")
     try:
-        signer.check_welcome(nonce, headers, body, key)
-    except AuthError as exc:
-        raise HelloError(f"{base}: {exc.reason}") from None
-    try:
-        doc = json.loads(body)
-        node_id, inc, version = doc["node_id"], doc["incarnation"], doc["version"]
+        version = json.loads(body)["version"]
     except (ValueError, KeyError, TypeError, RecursionError):
         raise HelloError(f"{base}: malformed hello answer") from None
     if version != PROTOCOL_VERSION:
         raise HelloError(f"{base} speaks protocol {version!r}, this node {PROTOCOL_VERSION}")
-    if not (isinstance(node_id, str) and type(inc) is int and 0 <= inc < 2**63):
-        raise HelloError(f"{base}: malformed hello answer")
-    receiver = Receiver.parse(f"{node_id}.{inc}")
-    if receiver is None:
-        raise HelloError(f"{base}: malformed hello answer")
-    return receiver
+    try:
+        return signer.check_welcome(nonce, headers, body, key)
+    except AuthError as exc:
+        raise HelloError(f"{base}: {exc.reason}") from None
 
 
 def _reason(body: bytes) -> str:
@@ -130,7 +125,7 @@ class Receivers:
     async def get(self, addr: str) -> Receiver:
         """The receiver at `addr` (host:port); HelloError if it cannot be learnt."""
         known = self.known.get(addr)
-        if known is not None:
+        if known is not None and self._signer().knows(known):
             return known
         asking = self._asking.get(addr)
         if asking is None:

@@ -194,10 +194,11 @@ class Outbox:
                     if body is None:
                         raise RemoteProtocolError("response body too large")
                     if resp.status == 401 and attempt == 0:
-                        # not for this receiver (any more)? ask again who is there
+                        # not for this receiver (any more), or it forgot our hello? ask again
+                        # who is there (a new hello: a new pair key there) and send once more
                         self.receivers.forget(addr, to)
-                        if await self.receivers.get(addr) != to:
-                            continue
+                        await self.receivers.get(addr)
+                        continue
                     if resp.status == 401 and MAC not in resp.headers:  # our key refused
                         raise Refused(_reason(body))
                     if resp.status >= 400 and MAC not in resp.headers:  # refused unread

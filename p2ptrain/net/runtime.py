@@ -31,7 +31,7 @@ from aiohttp import web
 from p2ptrain import checkpoint, proto
 from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.identity import load_or_create
-from p2ptrain.net.auth import ServerAuth, Signer
+from p2ptrain.net.auth import Life, ServerAuth, Signer
 from p2ptrain.net.discovery import advertised_address, seed_loop, start_mdns
 from p2ptrain.net.joinflow import FETCHED_DIR, JoinFetcher
 from p2ptrain.net.outbox import Outbox
@@ -259,7 +259,7 @@ class Runtime:
         self._switch_pending, self.outbound_only = False, True
         old = self.node
         self.identity = load_or_create(self.state_dir)  # bumps the incarnation
-        self.signer = Signer(self.signer.keys, self.node_id, self.identity.incarnation)
+        self.signer = Signer(self.signer.keys, Life(self.identity))
         self.outbox.signer = self.signer
         self.me = dataclasses.replace(self.me, outbound_only=True)
         self.steps.parked = None  # the old node's step; the new node asks for its own
@@ -308,8 +308,8 @@ class Runtime:
         self.steps = Stepper(self.learner, self.step_pool, self.plan, self.now,
                              self._step_done, self._step_failed, self.saver.after_write)
         keys = keyring_of(self.swarm, self.settings.swarm, self.state_dir, reporter)
-        self.auth = ServerAuth(keys, self.node_id, self.identity.incarnation)
-        self.signer = Signer(keys, self.node_id, self.identity.incarnation)
+        life = Life(self.identity)  # this life's X25519 key: the pair keys' (session.py)
+        self.auth, self.signer = ServerAuth(keys, life), Signer(keys, life)
 
     async def run(self) -> int:
         net, reporter = self.settings.net, self.reporter

@@ -30,7 +30,7 @@ from p2ptrain.proto.records import (
     check_text,
 )
 
-PROTOCOL_VERSION = 5  # bumped on any incompatible change to shapes or meaning (5: seed chains)
+PROTOCOL_VERSION = 6  # bumped on any incompatible change to shapes or meaning (6: pair keys)
 
 
 class Body:

@@ -34,6 +34,7 @@ from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.ckptserve import Serving, add_checkpoint_routes
 from p2ptrain.net.fetch import fetch_latest
 from p2ptrain.net.hello import add_hello_route
+from p2ptrain.net.session import Life
 from p2ptrain.net.shelf import Shelf
 
 PIECE = 2**20  # bytes per read of the plain download
@@ -70,7 +71,7 @@ async def run_bench(size_mb: int, repeats: int) -> dict:
         ident, ckpt = make_checkpoint(root, size_mb)
         key = derive_mac_key(os.urandom(32))
         app = web.Application()
-        auth = ServerAuth(key, ident.node_id, ident.incarnation)
+        auth = ServerAuth(key, Life(ident))
         add_hello_route(app, auth)
         shelf = Shelf(lambda: [ckpt.parent])
         add_checkpoint_routes(app, Serving(shelf, auth))
@@ -89,7 +90,7 @@ async def run_bench(size_mb: int, repeats: int) -> dict:
         fetch_s, plain_s, plain_bytes = [], [], 0
         try:
             async with aiohttp.ClientSession() as session:
-                signer = Signer(key, load_or_create(root / "client").node_id, 1)
+                signer = Signer(key, Life(load_or_create(root / "client")))
                 for i in range(repeats):
                     out = root / f"fetch-{i}"
                     start = time.perf_counter()

@@ -52,7 +52,7 @@ from aiohttp import web
 from p2ptrain import checkpoint
 from p2ptrain.codecs import DEFAULT_CHUNK
 from p2ptrain.config import resolve, settings_of
-from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
+from p2ptrain.net.auth import Life, ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.outbox import Outbox
 from p2ptrain.net.pacing import TokenBucket
 from p2ptrain.net.server import Served, build_app, listen
@@ -337,8 +337,8 @@ class Hostile:
         self.loop = asyncio.get_running_loop()
         self.t0 = self.loop.time()
         mac_key = derive_mac_key(self.swarm.key)
-        auth = ServerAuth(mac_key, self.node_id, self.identity.incarnation)
-        signer = Signer(mac_key, self.node_id, self.identity.incarnation)
+        life = Life(self.identity)
+        auth, signer = ServerAuth(mac_key, life), Signer(mac_key, life)
         bucket = TokenBucket.mbps(self.settings.net.max_upload_mbps)
         app = build_app(Served(self, auth, bucket, True), lambda: self.ckroot)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)

@@ -43,6 +43,7 @@ from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key
 from p2ptrain.net.ckptserve import Serving, add_checkpoint_routes
 from p2ptrain.net.fetch import fetch_checkpoint
 from p2ptrain.net.hello import add_hello_route
+from p2ptrain.net.session import Life
 from p2ptrain.net.shelf import Shelf
 
 PORT = 7600
@@ -68,7 +69,7 @@ def make_checkpoint(root: Path, size_mb: float, chunk: int, seed: int = 0) -> Pa
 
 async def serve(root: Path, port: int, key: bytes) -> None:
     app = web.Application()
-    auth = ServerAuth(key, secrets.token_hex(16), 1)
+    auth = ServerAuth(key, Life.throwaway(1))
     add_hello_route(app, auth)
     add_checkpoint_routes(app, Serving(Shelf(lambda: [root]), auth))
     runner = web.AppRunner(app, handler_cancellation=True)
@@ -83,7 +84,7 @@ async def serve(root: Path, port: int, key: bytes) -> None:
 
 
 async def fetch(sources: list[str], out: Path, key: bytes, leader: str) -> dict:
-    signer = Signer(key, secrets.token_hex(16), 1)
+    signer = Signer(key, Life.throwaway(1))
     async with aiohttp.ClientSession() as session:
         t0 = time.monotonic()
         got = await fetch_checkpoint(session, sources, signer, out, expected_leader=leader,
