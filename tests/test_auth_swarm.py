@@ -339,3 +339,19 @@ def test_a_bad_card_is_refused(change):
     with pytest.raises(CardError):
         Card.parse(text, node_id)
     assert Card.parse(life.card.text(), life.node_id) == life.card
+
+
+def test_a_sender_in_use_is_forgotten_after_idle_ones():
+    key = derive_mac_key(b"k" * 32)
+    server = ServerAuth(key, LIFE_B, max_senders=2)
+    busy, idle = Signer(key, Life.throwaway(1)), Signer(key, Life.throwaway(1))
+    introduce(busy, server)
+    introduce(idle, server)
+    _, sent = busy.sign_request("POST", "/v1/control", b"x", to=TO_B)
+    server.verify("POST", "/v1/control", sent, b"x")  # busy is the most recent now
+    introduce(Signer(key, Life.throwaway(1)), server)  # a third: the idle one goes
+    rid, sent = busy.sign_request("POST", "/v1/control", b"x", to=TO_B)
+    assert server.verify("POST", "/v1/control", sent, b"x") == rid
+    _, sent = idle.sign_request("POST", "/v1/control", b"x", to=TO_B)
+    with pytest.raises(AuthError, match="say hello"):
+        server.verify("POST", "/v1/control", sent, b"x")

@@ -428,6 +428,7 @@ class ServerAuth:
         if pair is None or pair[0] != rid.incarnation:
             raise AuthError(f"no hello from node {rid.sender} in incarnation {rid.incarnation}"
                             f" here: say hello first")
+        self._pairs.move_to_end(rid.sender)  # a sender in use is forgotten last
         self.guard.peek(rid)
         return Pending(self.keys, method, path, rid, headers[MAC], self.guard, pair[1], pair[2])
 

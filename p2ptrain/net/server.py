@@ -5,7 +5,8 @@
     GET  /metrics      open: Prometheus text
     GET  /v1/history   open: the node's recent past for the dashboard (history.py; JSON)
     GET  /             open: the dashboard page (dashboard.py), which polls the two above
-    GET  /v1/hello     swarm key: who this node is (id, incarnation, version), see hello.py
+    GET  /v1/hello     swarm key: who this node is (id, incarnation, version, card) and the
+                       asker's pair key, see hello.py and session.py
     GET  /v1/config    MAC: the swarm-wide configuration (for a node joining with a token)
     POST /v1/control   MAC: probes, acks, leases, claims, leave (small control messages)
     POST /v1/members   MAC: full member-list exchange
@@ -16,9 +17,10 @@
 A message POST is checked in this order, and processed only if all pass: declared size
 against the route's limit (413, nothing read); the authentication headers, before any body
 byte is read -- protocol version (400, naming both versions), shape, that the request names
-this node and this incarnation as its receiver, that its (incarnation, sequence) is not
-already seen (401); then the body is read with a deadline (408: it must keep `min_body_rate`
-after `body_grace` seconds), up to the limit (413), into memory counted against a byte budget
+this node and this incarnation as its receiver, that its sender said hello to this life of
+the node in the incarnation it names, that its (incarnation, sequence) is not already seen
+(401); then the body is read with a deadline (408: it must keep `min_body_rate` after
+`body_grace` seconds), up to the limit (413), into memory counted against a byte budget
 per lane (bulk, control), while its MAC is computed as it streams; at the end the MAC and
 replay window (401), frame type allowed on this route (400), strict decode (400), the
 message's sender equals the authenticated sender (400). The runtime then handles it; replies
