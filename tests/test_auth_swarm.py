@@ -355,3 +355,21 @@ def test_a_sender_in_use_is_forgotten_after_idle_ones():
     _, sent = idle.sign_request("POST", "/v1/control", b"x", to=TO_B)
     with pytest.raises(AuthError, match="say hello"):
         server.verify("POST", "/v1/control", sent, b"x")
+
+
+def test_a_hello_played_again_costs_no_second_signature_check(monkeypatch):
+    signer, server = _pair(hello=False)
+    checked = []
+    parse = Card.parse
+
+    def counting(text, node_id):
+        checked.append(node_id)
+        return parse(text, node_id)
+
+    monkeypatch.setattr("p2ptrain.net.auth.Card.parse", counting)
+    headers = signer.hello_headers(secrets.token_hex(16))
+    for _ in range(3):
+        server.welcome(headers)
+    assert checked == [A]
+    server.welcome(Signer(signer.keys.current, Life.throwaway(1)).hello_headers("1" * 32))
+    assert len(checked) == 2  # another card is checked

@@ -32,6 +32,7 @@ from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, check_answer, fetch_l
 from p2ptrain.net.hello import add_hello_route, hello
 from p2ptrain.net.session import Life
 from p2ptrain.net.shelf import Shelf
+from tests.helpers import introduce
 
 CHUNK = 64 * 1024
 KEY = derive_mac_key(bytes(range(32)))
@@ -219,6 +220,29 @@ def test_a_chunk_rotted_on_the_leaders_disk_is_refused_and_nothing_lands(leader,
         fetch(leader, tmp_path / "out")
     assert not (tmp_path / "out" / leader.ckid).exists()
     assert [p.name for p in (tmp_path / "out").iterdir()] == [PARTIAL_PREFIX + leader.ckid]
+
+
+def test_a_fetch_says_hello_again_when_its_source_forgets_it(leader, tmp_path):
+    """A holder keeps the pair keys of its last `max_senders` senders: others' hellos between
+    two chunk requests made it forget the fetching client, whose next request was refused
+    (401, "say hello first") and the only source dropped -- "is this the right swarm key?".
+    Now the fetch says hello again and asks once more."""
+    leader.auth = ServerAuth(KEY, Life(leader.ident), max_senders=2)
+    others = [Signer(KEY, Life.throwaway(1)) for _ in range(2)]
+    app = make_app(leader)
+
+    @web.middleware
+    async def crowd(request, handler):
+        if request.path.endswith("safetensors") and leader.counts["chunks"] == 2:
+            for other in others:  # two other senders say hello meanwhile
+                introduce(other, leader.auth)
+        return await handler(request)
+
+    app.middlewares.append(crowd)
+    got = fetch(leader, tmp_path / "out", app=app)
+    assert got == tmp_path / "out" / leader.ckid
+    assert store.read_manifest(got) == store.read_manifest(leader.ckroot / leader.ckid)
+    assert leader.counts["chunks"] > 6  # the 6 chunks, one of them asked for again
 
 
 def test_a_response_with_a_bad_mac_is_refused(leader, tmp_path):

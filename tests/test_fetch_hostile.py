@@ -127,7 +127,8 @@ def test_a_joiners_fetch_always_answers(leader, tmp_path, monkeypatch):
 
     async def run():
         async with aiohttp.ClientSession() as session:
-            fetcher = JoinFetcher(session, _signer(), tmp_path / "st", "fp", None,
+            signer = _signer()
+            fetcher = JoinFetcher(session, lambda: signer, tmp_path / "st", "fp", None,
                                   answers.append, Quiet(), None, None, Shelf(lambda: []),
                                   lambda leader_id, digest: [])
             fetcher.start(FetchCheckpoint(leader.ident.node_id, ("127.0.0.1:9",), 1))
@@ -136,6 +137,41 @@ def test_a_joiners_fetch_always_answers(leader, tmp_path, monkeypatch):
     asyncio.run(run())
     assert len(answers) == 1 and answers[0].path is None and answers[0].retry, answers
     assert "RuntimeError: a defect" in answers[0].reason
+
+
+def test_a_joiners_fetch_signs_as_the_node_signs_now(leader, tmp_path, monkeypatch):
+    """A node that switches to outbound-only mid-join goes on under a new incarnation (a new
+    life); its peers refuse the old one from then on, so the join's next fetch must use the
+    node's signer of that moment, not the one it had when the fetcher was made."""
+    used = []
+
+    async def record(session, sources, signer, *args, **kwargs):
+        used.append(signer)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr("p2ptrain.net.joinflow.fetch_checkpoint", record)
+
+    class Quiet:
+        def info(self, *a, **k):
+            pass
+
+        warn = info
+
+    node = {"signer": _signer()}
+    first = node["signer"]
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            fetcher = JoinFetcher(session, lambda: node["signer"], tmp_path / "st", "fp", None,
+                                  lambda answer: None, Quiet(), None, None, Shelf(lambda: []),
+                                  lambda leader_id, digest: [])
+            for _ in range(2):
+                fetcher.start(FetchCheckpoint(leader.ident.node_id, ("127.0.0.1:9",), 1))
+                await asyncio.wait_for(fetcher.task, 30)
+                node["signer"] = _signer()  # the switch: a new life
+
+    asyncio.run(run())
+    assert used[0] is first and used[1] is not first and used[1].incarnation > first.incarnation
 
 
 def test_a_trickled_answer_neither_holds_the_start_nor_lasts(leader, tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from p2ptrain.checkpoint import store
 from p2ptrain.identity import load_or_create
@@ -27,8 +28,9 @@ from p2ptrain.net.auth import (
 from p2ptrain.net.ckptserve import Serving, add_checkpoint_routes
 from p2ptrain.net.discovery import Discovery
 from p2ptrain.net.fetch import FetchError, fetch_latest
-from p2ptrain.net.hello import HelloRefused, add_hello_route, hello
+from p2ptrain.net.hello import HelloError, HelloRefused, add_hello_route, hello
 from p2ptrain.net.keyring import ROTATED, SAVE_EVERY, Keyring
+from p2ptrain.net.refusals import _cause
 from p2ptrain.net.session import Life
 from p2ptrain.net.shelf import Shelf
 from tests.helpers import introduce
@@ -203,3 +205,60 @@ def test_checkpoints_stay_valid_across_a_rotation(tmp_path):
     clock.t += GRACE
     with pytest.raises(FetchError, match="401.*swarm key was rotated"):
         asyncio.run(fetch(old, tmp_path / "late"))
+
+
+def test_a_hello_replayed_with_the_other_key_does_not_cut_a_member_off():
+    """During the grace every member holds both keys and cards are public (each member sees
+    the victim's in the victim's hello to it): a hello of the victim's card MACed with the
+    previous key replaced the victim's pair made with the current key, and every request of
+    the victim then failed -- each retry after a new hello too, in a loop. Now a node keeps a
+    pair per swarm key: the replay adds one the victim does not use."""
+    clock = Clock()
+    new, old, keys = rotated(clock)
+    server = ServerAuth(keys, LIFE_B)
+    victim = Signer(keys, Life.throwaway(1))
+    introduce(victim, server)  # with the current key
+    replayed = victim.hello_headers(secrets.token_hex(16), old)  # anyone can make this one
+    for _ in range(3):
+        server.welcome(replayed)
+        rid, sent = victim.sign_request("POST", "/v1/control", b"ping", to=TO_B)
+        assert server.verify("POST", "/v1/control", sent, b"ping") == rid
+
+
+def test_a_hello_from_an_older_life_says_restored_from_a_backup(tmp_path):
+    """A node started from a backup of its state directory (an older incarnation) is refused
+    at the hello; the reason must lead to the backup hint (refusals.py), not to "is this the
+    right swarm key?"."""
+    identity = Ed25519PrivateKey.generate()
+    node = ServerAuth(derive_mac_key(b"k" * 32), Life.throwaway(7))
+
+    async def ask(incarnation: int) -> Receiver:
+        app = web.Application()
+        add_hello_route(app, node)
+        async with serving(app) as base, aiohttp.ClientSession() as session:
+            return await hello(session, base, Signer(node.key, Life.throwaway(incarnation,
+                                                                             identity)))
+
+    assert asyncio.run(ask(5)).node_id == node.node_id
+    with pytest.raises(HelloRefused) as refused:
+        asyncio.run(ask(3))  # the backup
+    reason = str(refused.value)
+    assert "incarnation 3 is older than 5" in reason and "right swarm key" not in reason
+    assert "restored from a backup" in _cause(reason) and "write 6" in _cause(reason)
+
+
+def test_a_hello_the_server_does_not_allow_is_answered_429_before_any_check():
+    node = ServerAuth(derive_mac_key(b"k" * 32), Life.throwaway(1))
+    asked = []
+
+    async def ask() -> str:
+        app = web.Application()
+        add_hello_route(app, node, allow=lambda addr: asked.append(addr) or False)
+        async with serving(app) as base, aiohttp.ClientSession() as session:
+            with pytest.raises(HelloError) as refused:
+                await hello(session, base, Signer(node.key, Life.throwaway(1)))
+            return str(refused.value)
+
+    reason = asyncio.run(ask())
+    assert "HTTP 429" in reason and "too many hellos" in reason and asked == ["127.0.0.1"]
+    assert not node._pairs  # nothing kept

@@ -15,46 +15,37 @@ A request carries five headers:
                    receiver id, receiver incarnation and the body
 
 A response carries `X-P2P-Sender` (the responder) and `X-P2P-MAC` (the same pair key) over the
-tag, method, path, the responder's id and incarnation (those the request named), the
-*request's* sender, incarnation and sequence, the status and the body: it is bound to the one
-request it answers, so it cannot be replayed onto another, and to the life of the node that
-answered it.
+tag, method, path, the responder's id and incarnation, the *request's* sender, incarnation and
+sequence, the status and the body: bound to the one request it answers and to the life that
+answered. Naming the receiver's life makes a captured request useless to any later life of
+its receiver (its replay window lives in memory), since incarnations only grow.
 
-Why the receiver is named: a captured request could otherwise be played to the same node
-after a restart (its replay window lives in memory). Bound to (receiver id, receiver
-incarnation), it is refused by every later life of its receiver, since incarnations only grow.
-
-How a sender learns the receiver, and the two their pair key, before its first request: the
-hello exchange (hello.py). `GET /v1/hello` carries a sender-chosen random nonce, the sender's
-card (session.py) and a MAC over (sender, nonce, card) with the swarm key; the node checks the
-card (its identity key hashes to the sender's id, its signature verifies), keeps the sender's
-life and their pair key, and answers with its id, incarnation, protocol version and card,
-MACed with the pair key over the nonce, the asker and the answer -- so only the node whose id
-it claims can make it, and an old answer cannot be replayed. A hello of an older life of a
-sender than one already seen is refused. The node keeps the last `MAX_SENDERS` senders' lives;
-a request from a sender it has no hello of (in that incarnation) is refused, and the sender
-says hello again. The outbox says hello once per address (and again when a receiver refuses a
-request), and so do the token-only `GET /v1/config` fetch and `checkpoint fetch` (under a
-throwaway identity): a `--peer HOST:PORT` seed, a DNS seed and an mDNS find all start from an
-address alone.
+The hello (hello.py) comes first: `GET /v1/hello` carries a random nonce, the asker's card
+(session.py) and a MAC over (sender, nonce, card) with the swarm key; the node checks the card
+(its identity key hashes to the sender's id, its signature verifies), keeps the sender's life
+and their pair key -- one per swarm key its hellos used, so a hello of the same card under the
+other key during a rotation adds a pair and replaces none -- and answers with its id,
+incarnation, version and card, MACed with the pair key over the nonce, the asker and the
+answer: only the node whose id it names can make it, and an old one cannot be replayed. A
+hello of an older life than one seen is refused. The last `MAX_SENDERS` senders in use are
+kept (and the cards lately checked, so a hello played again costs no signature check); a
+request from a sender with no hello in that incarnation is refused before its body, and the
+sender says hello again (the outbox, the fetches). Token-only clients say hello under a
+throwaway identity.
 
 Replays are refused without any wall clock (Pis have no real-time clock): for each sender the
-receiver keeps the newest incarnation and a sliding window of the sequences seen in it. A
-request with an older incarnation, a sequence already seen, or one too far behind the newest
-is refused. The window (not "strictly greater") lets concurrent requests of one sender arrive
-out of order. A sender numbers its requests to each receiver on their own: a slow upload (an
-averaging part over a Starlink uplink) is behind only the requests that reached the same
-receiver meanwhile, not the heartbeats a leader sends every member. The headers are checked
-(version, shape, receiver, replay window) before the body is read; the MAC is computed as the
-body streams in (`Pending`) and the replay window records the request only once the MAC
-verified. Everything is constant-time compared. No I/O, no clock.
+receiver keeps the newest incarnation and a sliding window of the sequences seen in it; an
+older incarnation, a sequence already seen or one too far behind the newest is refused. The
+window lets concurrent requests of one sender arrive out of order, and a sender numbers its
+requests to each receiver on their own (a slow averaging upload is behind only the requests
+to the same receiver). Headers are checked before the body is read; the MAC is computed as the
+body streams in (`Pending`) and the window records the request only once the MAC verified.
+Everything is constant-time compared. No I/O, no clock.
 
-Key rotation (keyring.py): a node may hold the swarm's current key and, for a grace period,
-the previous one. It accepts hellos MACed with either while the grace lasts, and a pair key is
-derived from the swarm key its hello verified with; a peer that answered a hello only to the
-previous key is reached with a pair key of the previous key, while the grace lasts. After the
-grace a request whose pair key came from the previous key is refused with a reason saying the
-key was rotated, and the sender's next hello uses the current key.
+Key rotation (keyring.py): during the grace a node accepts hellos MACed with the current or
+the previous key, and a pair key derives from the key its hello verified with (a peer that
+answers only to the previous key is reached so). After the grace a request whose pair came
+from the previous key is refused, saying the key was rotated; the next hello uses the current.
 """
 
 from __future__ import annotations
@@ -316,28 +307,33 @@ def parse_request(headers: Mapping[str, str]) -> RequestId:
 
 
 class Pending:
-    """A request whose headers passed: feed the body as it streams, then `finish`."""
+    """A request whose headers passed: feed the body as it streams, then `finish`. `pairs`
+    are (swarm key, pair key) of the sender's life: one per swarm key its hellos used (two
+    during a key rotation's grace), each MAC computed as the body streams."""
 
     def __init__(self, keys: Keyring, method: str, path: str, rid: RequestId, mac: str,
-                 guard: ReplayGuard, pair: bytes, swarm_key: bytes):
-        self.rid, self._mac, self._guard = rid, mac, guard
-        self._keys, self._pair, self._swarm_key = keys, pair, swarm_key
-        self._h = _start(pair, _REQ_TAG, rid.fields(method, path))
+                 guard: ReplayGuard, pairs: list[tuple[bytes, bytes]]):
+        self.rid, self._mac, self._guard, self._keys = rid, mac, guard, keys
+        fields = rid.fields(method, path)
+        self._hs = [(swarm_key, pair, _start(pair, _REQ_TAG, fields)) for swarm_key, pair in pairs]
 
     def update(self, piece: bytes | memoryview) -> None:
-        self._h.update(piece)
+        for _, _, h in self._hs:
+            h.update(piece)
 
     def finish(self) -> RequestId:
         """The request's id, carrying the pair key it verified with, if the MAC over
-        everything fed verifies and the swarm key of the pair's hello is accepted now (then it
-        is recorded in the replay window); AuthError otherwise."""
-        if not hmac.compare_digest(self._h.hexdigest(), self._mac):
+        everything fed verifies and the swarm key of that pair's hello is accepted now (then
+        it is recorded in the replay window); AuthError otherwise."""
+        found = next(((k, pair) for k, pair, h in self._hs
+                      if hmac.compare_digest(h.hexdigest(), self._mac)), None)
+        if found is None:
             raise AuthError("request MAC does not verify (wrong swarm key, or not the sender "
                             "it names?)")
-        if not self._keys.accepts(self._swarm_key):
+        if not self._keys.accepts(found[0]):
             raise AuthError(ROTATED)
         self._guard.check(self.rid)
-        return replace(self.rid, key=self._pair)
+        return replace(self.rid, key=found[1])
 
 
 class ReplayGuard:
@@ -409,8 +405,12 @@ class ServerAuth:
         self.key, self.node_id, self.incarnation = self.keys.current, life.node_id, life.incarnation
         self.guard = ReplayGuard(max_senders=max_senders)
         self.max_senders = max_senders
-        # sender -> (its incarnation, our pair key, the swarm key its hello verified with)
-        self._pairs: OrderedDict[str, tuple[int, bytes, bytes]] = OrderedDict()
+        # sender -> (its incarnation, {swarm key its hello verified with: our pair key}): a
+        # pair per swarm key, so a hello made with the other key (during a rotation's grace,
+        # anyone's: cards are public) adds a pair and never replaces the one in use
+        self._pairs: OrderedDict[str, tuple[int, dict[bytes, bytes]]] = OrderedDict()
+        # (sender, card text, swarm key) -> (card, pair key): cards checked lately
+        self._cards: OrderedDict[tuple[str, str, bytes], tuple[Card, bytes]] = OrderedDict()
 
     def begin(self, method: str, path: str, headers: Mapping[str, str]) -> Pending:
         """Check everything but the MAC, before any body byte is read; AuthError (401, or
@@ -430,7 +430,8 @@ class ServerAuth:
                             f" here: say hello first")
         self._pairs.move_to_end(rid.sender)  # a sender in use is forgotten last
         self.guard.peek(rid)
-        return Pending(self.keys, method, path, rid, headers[MAC], self.guard, pair[1], pair[2])
+        return Pending(self.keys, method, path, rid, headers[MAC], self.guard,
+                       list(pair[1].items()))
 
     def verify(self, method: str, path: str, headers: Mapping[str, str],
                body: bytes | memoryview) -> RequestId:
@@ -465,16 +466,25 @@ class ServerAuth:
             raise AuthError("hello MAC does not verify (wrong swarm key?)")
         if not self.keys.accepts(key):
             raise AuthError(ROTATED)
-        try:
-            card = Card.parse(card_text, sender)
-            pair = self.life.pair_key(key, card)
-        except CardError as exc:
-            raise AuthError(f"hello: {exc}") from None
-        known = max(self._pairs.get(sender, (-1,))[0], self.guard.incarnation(sender))
-        if card.incarnation < known:
-            raise AuthError(f"hello from incarnation {card.incarnation} of node {sender}, "
-                            f"older than {known}")
-        self._pairs[sender] = (card.incarnation, pair, key)
+        checked = self._cards.pop((sender, card_text, key), None)
+        if checked is None:  # (a hello played again costs no signature check a second time)
+            try:
+                card = Card.parse(card_text, sender)
+                checked = card, self.life.pair_key(key, card)
+            except CardError as exc:
+                raise AuthError(f"hello: {exc}") from None
+        self._cards[(sender, card_text, key)] = checked
+        while len(self._cards) > self.max_senders:
+            self._cards.popitem(last=False)
+        card, pair = checked
+        entry = self._pairs.get(sender)
+        known = max(-1 if entry is None else entry[0], self.guard.incarnation(sender))
+        if card.incarnation < known:  # (worded as the replay window's: refusals.py hints)
+            raise AuthError(f"hello of node {sender}: incarnation {card.incarnation} is older "
+                            f"than {known}")
+        pairs = dict(entry[1]) if entry is not None and entry[0] == card.incarnation else {}
+        pairs[key] = pair  # the same life and key give the same pair: a replay changes nothing
+        self._pairs[sender] = (card.incarnation, pairs)
         self._pairs.move_to_end(sender)
         while len(self._pairs) > self.max_senders:
             self._pairs.popitem(last=False)

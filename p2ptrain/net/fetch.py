@@ -60,7 +60,7 @@ from yarl import URL
 from p2ptrain.checkpoint import manifest as mf
 from p2ptrain.checkpoint.store import describe_arch
 from p2ptrain.net.auth import AuthError, Receiver, RequestId, Signer
-from p2ptrain.net.hello import HelloError, hello
+from p2ptrain.net.hello import HelloError, hello, key_hint
 from p2ptrain.net.neterrors import explain
 from p2ptrain.net.partial import (
     PARTIAL_PREFIX,
@@ -116,13 +116,13 @@ class _NotHeld(Exception):
     """The source does not hold that chunk (yet)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Conn:
     session: aiohttp.ClientSession
     base: str  # scheme://host:port[/prefix], no trailing slash
     signer: Signer
     timeout: aiohttp.ClientTimeout
-    to: Receiver  # who serves at `base` (from hello)
+    to: Receiver  # who serves at `base` (from hello; again after a 401)
     answer_timeout: aiohttp.ClientTimeout  # a JSON answer, whole: a trickle must not hold
     #                                        a fetch's start for ever
 
@@ -222,9 +222,10 @@ class _Answer:
 
 async def _get(conn: _Conn, path: str, ok_status: int, limit: int, into: bytearray | None,
                byte_range: tuple[int, int] | None = None,
-               timeout: aiohttp.ClientTimeout | None = None) -> _Answer:
+               timeout: aiohttp.ClientTimeout | None = None, again: bool = True) -> _Answer:
     """One signed GET of `path` under the base URL (`timeout`: conn's for chunks); its MAC is
-    not checked here."""
+    not checked here. Refused (401) a first time, it says hello again and asks once more (the
+    source restarted, or forgot our hello among many others), if the same node answers."""
     url = URL(conn.base + path, encoded=True)
     rid, headers = conn.signer.sign_request("GET", url.path, to=conn.to)
     if byte_range is not None:
@@ -247,9 +248,18 @@ async def _get(conn: _Conn, path: str, ok_status: int, limit: int, into: bytearr
             body, resp_headers = memoryview(buf)[:n], resp.headers
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         raise _Retry(explain(exc, where)) from None
+    if status == 401 and again:
+        try:
+            to = await hello(conn.session, conn.base, conn.signer)
+        except HelloError as exc:
+            raise _Drop(str(exc)) from None
+        if to.node_id != conn.to.node_id:
+            raise _Drop(f"another node answers at {where} now ({to.node_id})")
+        conn.to = to
+        return await _get(conn, path, ok_status, limit, into, byte_range, timeout, again=False)
     if status == 401:
-        raise _Drop(f"{where} refused our authentication (401: {_reason(body)}); is this the "
-                    "right swarm key?")
+        reason = _reason(body)
+        raise _Drop(f"{where} refused our authentication (401: {reason}){key_hint(reason)}")
     return _Answer(rid, url.path, status, resp_headers, body)
 
 

@@ -21,8 +21,9 @@ member that does not hold the new key yet still answers, and the pair key made t
 from the previous key (auth.Signer). The node asked answers with the key the hello came in
 with.
 
-Who says hello: the outbox, once per address (`Receivers`), again when a receiver refuses a
-request as meant for another node or life; the token-only configuration fetch and
+Who says hello: the outbox, once per address (`Receivers`), and again before sending once
+more when a receiver refuses a request (401: meant for another node or life, or a sender
+the node has forgotten or never heard say hello); the token-only configuration fetch and
 `checkpoint fetch` before their first GET. Seeds (`--peer HOST:PORT`, DNS names), mDNS finds
 and member addresses are all handled alike: an address is all a sender needs.
 """
@@ -86,9 +87,9 @@ async def _hello(session: aiohttp.ClientSession, base: str, signer: Signer, key:
         raise HelloError(f"{base} does not answer {HELLO}: it runs an older p2ptrain (protocol "
                          f"1); this node speaks protocol {PROTOCOL_VERSION}")
     if status == 401:
-        reason = _reason(body)  # (ours say "wrong swarm key?" already: not asked twice)
-        hint = "" if "swarm key" in reason else "; is this the right swarm key?"
-        raise HelloRefused(f"{base} refused our authentication (HTTP 401: {reason}){hint}")
+        reason = _reason(body)
+        raise HelloRefused(f"{base} refused our authentication (HTTP 401: {reason})"
+                           f"{key_hint(reason)}")
     if status != 200 or len(body) > MAX_ANSWER:
         raise HelloError(f"{base} refused our hello (HTTP {status}: {_reason(body)})")
     try:
@@ -101,6 +102,15 @@ async def _hello(session: aiohttp.ClientSession, base: str, signer: Signer, key:
         return signer.check_welcome(nonce, headers, body, key)
     except AuthError as exc:
         raise HelloError(f"{base}: {exc.reason}") from None
+
+
+def key_hint(reason: str) -> str:
+    """What to add to a 401's `reason`: whether the swarm key is right -- unless the reason
+    says already (ours say "wrong swarm key?"), or says why otherwise (an older life of this
+    node, restored from a backup: refusals.py; a hello to say again)."""
+    if any(why in reason for why in ("swarm key", "is older than", "say hello")):
+        return ""
+    return "; is this the right swarm key?"
 
 
 def _reason(body: bytes) -> str:
@@ -147,10 +157,16 @@ class Receivers:
 
 
 def add_hello_route(app: web.Application, auth: ServerAuth,
-                    on_refused: Callable[[], None] | None = None) -> None:
-    """Register GET /v1/hello on `app`."""
+                    on_refused: Callable[[], None] | None = None,
+                    allow: Callable[[str], bool] | None = None) -> None:
+    """Register GET /v1/hello on `app`. `allow(address)` may refuse a hello (429) before any
+    work: a hello costs a signature check and a key agreement, so the server limits them per
+    address (server.py)."""
 
     async def welcome(request: web.Request) -> web.Response:
+        if allow is not None and not allow(request.remote or ""):
+            return web.json_response({"error": "too many hellos from this address"},
+                                     status=429, headers={"Retry-After": "1"})
         try:
             body, headers = auth.welcome(request.headers)
         except VersionError as exc:

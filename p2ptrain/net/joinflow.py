@@ -44,11 +44,12 @@ class JoinFetcher:
     """Runs one join-time fetch at a time; `answer(CheckpointFetched)` gets its outcome. Also
     tells the node what this node holds (`answer(Holds)`) whenever the shelf changes."""
 
-    def __init__(self, session: aiohttp.ClientSession, signer: Signer, state_dir: Path,
-                 fingerprint: str, io: Executor, answer: Callable[[Any], Any],
+    def __init__(self, session: aiohttp.ClientSession, signer: Callable[[], Signer],
+                 state_dir: Path, fingerprint: str, io: Executor, answer: Callable[[Any], Any],
                  reporter: Reporter, judge: Callable[[Path], tuple[float, float]],
                  between_steps: Callable[[], Awaitable[None]], shelf: Shelf,
                  holders: Callable[[str, str], list[str]]):
+        # the node's signer of the moment (a new one after the switch to outbound-only)
         self.session, self.signer, self.io, self.shelf = session, signer, io, shelf
         self.holders = holders  # (leader, digest) -> addresses of members that hold it
         self.judge = judge  # path -> (its held-out loss on a fixed batch, our replica's)
@@ -108,7 +109,7 @@ class JoinFetcher:
             text, event="fetch_progress"))
         try:
             fetched = await asyncio.wait_for(
-                fetch_checkpoint(self.session, sources, self.signer, self.root,
+                fetch_checkpoint(self.session, sources, self.signer(), self.root,
                                  expected_leader=action.leader, files=(checkpoint.MODEL_FILE,),
                                  progress=bar, shelf=self.shelf,
                                  more_sources=lambda digest: self.holders(action.leader,

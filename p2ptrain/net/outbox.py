@@ -195,7 +195,7 @@ class Outbox:
                         raise RemoteProtocolError("response body too large")
                     if resp.status == 401 and attempt == 0:
                         # not for this receiver (any more), or it forgot our hello? ask again
-                        # who is there (a new hello: a new pair key there) and send once more
+                        # who is there (a hello keeps our pair key there again), send once more
                         self.receivers.forget(addr, to)
                         await self.receivers.get(addr)
                         continue

@@ -333,7 +333,7 @@ class Runtime:
             self.outbox = Outbox.open(self.signer, self.bucket, self.on_frames, reporter,
                                       self.settings.node, net.refused_seconds, self.request_stop)
             self.outbox.on_unanswered = lambda *ask: self.handle(proto.Unanswered(*ask))
-            self.fetcher = JoinFetcher(self.outbox.session, self.signer, self.state_dir,
+            self.fetcher = JoinFetcher(self.outbox.session, lambda: self.signer, self.state_dir,
                                        self.learner.fingerprint, self.io_pool, self.handle,
                                        reporter, self.learner.judge_checkpoint,
                                        self.steps.idle, self.shelf,

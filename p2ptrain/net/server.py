@@ -68,6 +68,9 @@ from p2ptrain.proto import RemoteProtocolError, wire
 
 BULK_PATHS = ("/v1/gossip", "/v1/average", "/v1/track")
 CONTROL_BODY_MEMORY = 16 * MiB  # bytes of control-lane bodies held at once (see the docstring)
+# hellos per address (a second, burst): a hello costs a signature check and a key agreement
+# (~0.2 ms); members say one per peer and again after a refusal, a NATed site's all at once
+HELLO_RATE, HELLO_BURST = 20.0, 100.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +315,9 @@ def build_app(served: Served, shelf: Shelf, bases: dict[str, Path] | None = None
     app.router.add_get("/metrics", _open(_metrics))
     app.router.add_get("/", _open(_index))
     host = served.host
-    add_hello_route(app, served.auth, on_refused=lambda: host.count("refused_auth"))
+    hellos = OpenRate(HELLO_RATE, HELLO_BURST)  # per address; this machine's not counted
+    add_hello_route(app, served.auth, on_refused=lambda: host.count("refused_auth"),
+                    allow=hellos.allow)
     ckptserve.add_checkpoint_routes(app, ckptserve.Serving(
         shelf, served.auth, served.bucket, on_refused=lambda: host.count("refused_auth"),
         on_served=lambda n: host.count("served_bytes", n)))
