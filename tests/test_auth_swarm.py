@@ -19,6 +19,7 @@ from p2ptrain.net.auth import (
     TO,
     VERSION,
     AuthError,
+    HelloBusy,
     Receiver,
     ReplayGuard,
     RequestId,
@@ -373,3 +374,67 @@ def test_a_hello_played_again_costs_no_second_signature_check(monkeypatch):
     assert checked == [A]
     server.welcome(Signer(signer.keys.current, Life.throwaway(1)).hello_headers("1" * 32))
     assert len(checked) == 2  # another card is checked
+
+
+def test_a_captured_request_is_refused_after_its_sender_was_forgotten():
+    """A node forgets senders past `max_senders` -- their pair and their replay window
+    together. The pair key used to depend on the two lives only, so a hello of the same card
+    (the victim's own, or anyone replaying it) brought it back, and a captured request of the
+    victim verified a second time. Now each new pair has a new salt from the node."""
+    key = derive_mac_key(b"k" * 32)
+    server = ServerAuth(key, LIFE_B, max_senders=2)
+    victim = Signer(key, Life.throwaway(1))
+    captured_hello = victim.hello_headers(secrets.token_hex(16))
+    introduce(victim, server)
+    rid, captured = victim.sign_request("POST", "/v1/control", b"transfer", to=TO_B)
+    server.verify("POST", "/v1/control", captured, b"transfer")
+    with pytest.raises(AuthError, match="already seen"):
+        server.verify("POST", "/v1/control", captured, b"transfer")
+    for _ in range(2):  # members the node hears from since: the victim is forgotten
+        other = Signer(key, Life.throwaway(1))
+        introduce(other, server)
+        _, sent = other.sign_request("POST", "/v1/control", b"x", to=TO_B)
+        server.verify("POST", "/v1/control", sent, b"x")
+    server.welcome(captured_hello)  # the victim's card again
+    with pytest.raises(AuthError, match="does not verify"):
+        server.verify("POST", "/v1/control", captured, b"transfer")
+    introduce(victim, server)  # the victim itself goes on under its new pair
+    rid, sent = victim.sign_request("POST", "/v1/control", b"x", to=TO_B)
+    assert server.verify("POST", "/v1/control", sent, b"x") == rid
+
+
+def test_only_a_verified_request_keeps_its_sender_remembered():
+    key = derive_mac_key(b"k" * 32)
+    server = ServerAuth(key, LIFE_B, max_senders=2)
+    first, second = Signer(key, Life.throwaway(1)), Signer(key, Life.throwaway(1))
+    introduce(first, server)
+    introduce(second, server)
+    _, forged = first.sign_request("POST", "/v1/control", b"x", to=TO_B)
+    forged[MAC] = "0" * 64  # names `first`, does not verify: must not refresh it
+    with pytest.raises(AuthError, match="does not verify"):
+        server.verify("POST", "/v1/control", forged, b"x")
+    introduce(Signer(key, Life.throwaway(1)), server)  # a third: the least recent goes
+    _, sent = first.sign_request("POST", "/v1/control", b"x", to=TO_B)
+    with pytest.raises(AuthError, match="say hello"):
+        server.verify("POST", "/v1/control", sent, b"x")
+
+
+def test_a_card_to_check_may_be_refused_for_now_but_not_a_stranger_or_a_replay():
+    signer, server = _pair(hello=False)
+    asked = []
+
+    def busy() -> bool:
+        asked.append(1)
+        return False
+
+    stranger = Signer(derive_mac_key(b"x" * 32), Life.throwaway(1))
+    with pytest.raises(AuthError, match="wrong swarm key"):
+        server.welcome(stranger.hello_headers("1" * 32), allow=busy)
+    assert asked == []  # a stranger spends no budget
+    headers = signer.hello_headers("2" * 32)
+    with pytest.raises(HelloBusy):
+        server.welcome(headers, allow=busy)
+    assert asked == [1] and not server._pairs
+    server.welcome(headers)
+    server.welcome(headers, allow=busy)  # the card is checked already: no budget needed
+    assert asked == [1]

@@ -91,7 +91,7 @@ def make_leader(tmp_path: Path) -> Leader:
                   ServerAuth(KEY, Life(ident)))
 
 
-def make_app(lead: Leader) -> web.Application:
+def make_app(lead: Leader, allow=None) -> web.Application:
     @web.middleware
     async def count(request: web.Request, handler):
         if request.path == "/v1/checkpoint":
@@ -103,7 +103,7 @@ def make_app(lead: Leader) -> web.Application:
         return await handler(request)
 
     app = web.Application(middlewares=[count])
-    add_hello_route(app, lead.auth)  # every request names its receiver, learnt by hello
+    add_hello_route(app, lead.auth, allow=allow)  # every request names its receiver
     add_checkpoint_routes(app, Serving(lead.shelf, lead.auth))
     return app
 
@@ -243,6 +243,19 @@ def test_a_fetch_says_hello_again_when_its_source_forgets_it(leader, tmp_path):
     assert got == tmp_path / "out" / leader.ckid
     assert store.read_manifest(got) == store.read_manifest(leader.ckroot / leader.ckid)
     assert leader.counts["chunks"] > 6  # the 6 chunks, one of them asked for again
+
+
+def test_a_fetch_waits_for_a_source_busy_with_hellos(leader, tmp_path):
+    """A source answers 429 to hellos past its budget for our address: the fetch asks again a
+    second later instead of dropping its only source."""
+    asked = []
+
+    def allow(addr: str) -> bool:
+        asked.append(addr)
+        return len(asked) > 2  # the first two: later
+
+    got = fetch(leader, tmp_path / "out", app=make_app(leader, allow=allow))
+    assert got == tmp_path / "out" / leader.ckid and len(asked) == 3
 
 
 def test_a_response_with_a_bad_mac_is_refused(leader, tmp_path):

@@ -27,11 +27,15 @@ and their pair key -- one per swarm key its hellos used, so a hello of the same 
 other key during a rotation adds a pair and replaces none -- and answers with its id,
 incarnation, version and card, MACed with the pair key over the nonce, the asker and the
 answer: only the node whose id it names can make it, and an old one cannot be replayed. A
-hello of an older life than one seen is refused. The last `MAX_SENDERS` senders in use are
-kept (and the cards lately checked, so a hello played again costs no signature check); a
-request from a sender with no hello in that incarnation is refused before its body, and the
-sender says hello again (the outbox, the fetches). Token-only clients say hello under a
-throwaway identity.
+hello of an older life than one seen is refused. The pair key is salted by the node (a salt
+in the answer, new whenever it holds no pair of that life and key, the same while it does: a
+replayed hello changes nothing). The last `MAX_SENDERS` senders whose requests verified are
+kept; one forgotten is forgotten by the replay window too, and its next pair has a new salt,
+so a request captured under the old one never verifies again. The cards lately checked are
+kept (a hello played again costs no signature check), and a card to check may be refused for
+now (`HelloBusy`, 429: hello.py limits them per address). A request from a sender with no
+hello in that incarnation is refused before its body, and the sender says hello again (the
+outbox, the fetches). Token-only clients say hello under a throwaway identity.
 
 Replays are refused without any wall clock (Pis have no real-time clock): for each sender the
 receiver keeps the newest incarnation and a sliding window of the sequences seen in it; an
@@ -50,119 +54,45 @@ from the previous key is refused, saying the key was rotated; the next hello use
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import hmac
 import json
+import secrets
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
+from p2ptrain.net.authbase import (  # noqa: F401 (some re-exported: where they always were)
+    _HELLO_TAG,
+    _REQ_TAG,
+    _WELCOME_TAG,
+    CARD,
+    MAC,
+    MAX_RECEIVERS,
+    MAX_SENDERS,
+    NONCE,
+    SENDER,
+    SEQ,
+    TO,
+    VERSION,
+    AuthError,
+    HelloBusy,
+    Receiver,
+    ReplayGuard,
+    RequestId,
+    VersionError,
+    _is_mac,
+    _is_node_id,
+    _mac,
+    _start,
+    check_response,
+    check_version,
+    derive_mac_key,
+    parse_request,
+    response_headers,
+)
 from p2ptrain.net.keyring import ROTATED, Keyring, keyring
-from p2ptrain.net.session import Card, CardError, Life
+from p2ptrain.net.session import SALT_BYTES, Card, CardError, Life, salted
 from p2ptrain.proto import PROTOCOL_VERSION
-
-SENDER, SEQ, MAC = "X-P2P-Sender", "X-P2P-Seq", "X-P2P-MAC"
-VERSION, TO, NONCE = "X-P2P-Version", "X-P2P-To", "X-P2P-Nonce"
-CARD = "X-P2P-Card"  # a hello's card (session.py)
-REPLAY_WINDOW = 1024  # sequences behind the newest still accepted (once each)
-MAX_SENDERS = 8192  # senders remembered; the least recently heard is forgotten first
-MAX_RECEIVERS = 8192  # receivers a signer numbers separately (a forgotten one starts above all)
-_TAG = f"p2ptrain/{PROTOCOL_VERSION}"
-_REQ_TAG, _RESP_TAG = f"{_TAG} request\n".encode(), f"{_TAG} response\n".encode()
-_HELLO_TAG, _WELCOME_TAG = f"{_TAG} hello\n".encode(), f"{_TAG} welcome\n".encode()
-
-
-class AuthError(Exception):
-    """A request or response is not authentic, or is a replay; `reason` says which."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-class VersionError(AuthError):
-    """The request speaks another protocol version (answered 400, with both versions)."""
-
-
-def check_version(headers: Mapping[str, str]) -> None:
-    """Refuse a request of another protocol version, saying which versions meet. Protocol 1
-    had no version header: a request with MAC headers and none is protocol 1."""
-    text = headers.get(VERSION)
-    if text is None:
-        if not headers.get(MAC):
-            return  # no credentials at all: the MAC check says so
-        theirs = "1"
-    elif text.isascii() and text.isdigit() and len(text) <= 6:
-        theirs = str(int(text))
-    else:
-        raise VersionError("malformed protocol version header")
-    if theirs != str(PROTOCOL_VERSION):
-        raise VersionError(f"this node speaks p2ptrain protocol {PROTOCOL_VERSION}; the request "
-                           f"is protocol {theirs}: run the same p2ptrain release on every node")
-
-
-def derive_mac_key(swarm_key: bytes) -> bytes:
-    """The HMAC key of a swarm (the swarm key itself never keys anything directly)."""
-    if len(swarm_key) != 32:
-        raise ValueError("a swarm key is 32 bytes")
-    return hashlib.sha256(b"p2ptrain mac key\n" + swarm_key).digest()
-
-
-def _start(key: bytes, tag: bytes, fields: tuple[str, ...]):
-    h = hmac.new(key, tag, hashlib.sha256)
-    for field in fields:  # length-prefixed, so no two field lists hash alike
-        raw = field.encode()
-        h.update(len(raw).to_bytes(4, "big") + raw)
-    return h
-
-
-def _mac(key: bytes, tag: bytes, fields: tuple[str, ...], body: bytes | memoryview) -> str:
-    h = _start(key, tag, fields)
-    h.update(body)
-    return h.hexdigest()
-
-
-def _is_node_id(text: str) -> bool:
-    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
-
-
-def _parse_epoch(text: str) -> int | None:
-    return int(text) if text.isascii() and text.isdigit() and len(text) <= 19 else None
-
-
-@dataclass(frozen=True, slots=True)
-class Receiver:
-    """The node a request is meant for, in one life: its id and incarnation (from hello)."""
-
-    node_id: str
-    incarnation: int
-
-    def header(self) -> str:
-        return f"{self.node_id}.{self.incarnation}"
-
-    @classmethod
-    def parse(cls, text: str) -> Receiver | None:
-        node_id, _, inc = text.partition(".")
-        value = _parse_epoch(inc)
-        return cls(node_id, value) if _is_node_id(node_id) and value is not None else None
-
-
-@dataclass(frozen=True, slots=True)
-class RequestId:
-    """Who sent an authenticated request, its (incarnation, sequence), and whom it names."""
-
-    sender: str
-    incarnation: int
-    seq: int
-    to: Receiver | None = None
-    # the pair key the request was signed or verified with: its response uses the same one
-    key: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
-
-    def fields(self, method: str, path: str) -> tuple[str, ...]:
-        assert self.to is not None
-        return (method, path, self.sender, str(self.incarnation), str(self.seq),
-                self.to.node_id, str(self.to.incarnation))
 
 
 class Signer:
@@ -226,15 +156,16 @@ class Signer:
         try:
             doc = json.loads(body)
             node_id, inc, card_text = doc["node_id"], doc["incarnation"], doc["card"]
+            salt = bytes.fromhex(doc["salt"]) if isinstance(doc["salt"], str) else b""
         except (ValueError, KeyError, TypeError, RecursionError):
             raise AuthError("malformed hello answer") from None
         receiver = Receiver.parse(f"{node_id}.{inc}") if isinstance(node_id, str) \
             and type(inc) is int else None
-        if receiver is None:
+        if receiver is None or len(salt) != SALT_BYTES:
             raise AuthError("malformed hello answer")
         try:
             card = Card.parse(card_text, receiver.node_id)
-            pair = self.life.pair_key(key, card)
+            pair = salted(self.life.pair_key(key, card), salt)
         except CardError as exc:
             raise AuthError(f"hello answer: {exc}") from None
         if card.incarnation != receiver.incarnation:
@@ -258,62 +189,16 @@ class Signer:
         return check_response(rid.key, method, path, rid, status, headers, body)
 
 
-def check_response(key: bytes, method: str, path: str, rid: RequestId, status: int,
-                   headers: Mapping[str, str], body: bytes | memoryview) -> str:
-    """The responder's node id, if the response is authentic for request `rid`."""
-    responder, mac = headers.get(SENDER, ""), headers.get(MAC, "")
-    if not _is_node_id(responder) or not _is_mac(mac):  # checked before compare_digest,
-        raise AuthError("response carries no MAC")  # which raises TypeError on non-ASCII
-    if rid.to is None or responder != rid.to.node_id:
-        raise AuthError("response comes from another node than the request named")
-    want = _mac(key, _RESP_TAG, _response_fields(method, path, rid, status), body)
-    if not hmac.compare_digest(want, mac):
-        raise AuthError("response MAC does not verify")
-    return responder
-
-
-def _response_fields(method: str, path: str, rid: RequestId, status: int) -> tuple[str, ...]:
-    assert rid.to is not None
-    return (method, path, rid.to.node_id, str(rid.to.incarnation), rid.sender,
-            str(rid.incarnation), str(rid.seq), str(status))
-
-
-def response_headers(key: bytes, method: str, path: str, rid: RequestId, status: int,
-                     body: bytes | memoryview) -> dict[str, str]:
-    """Headers authenticating a response to request `rid` (from the receiver it named)."""
-    assert rid.to is not None
-    mac = _mac(key, _RESP_TAG, _response_fields(method, path, rid, status), body)
-    return {SENDER: rid.to.node_id, MAC: mac}
-
-
-def _is_mac(text: str) -> bool:
-    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
-
-
-def parse_request(headers: Mapping[str, str]) -> RequestId:
-    """The (sender, incarnation, sequence, receiver) a request claims; AuthError if absent or
-    malformed (VersionError if it speaks another protocol version)."""
-    check_version(headers)
-    sender, seq, mac = headers.get(SENDER, ""), headers.get(SEQ, ""), headers.get(MAC, "")
-    if not mac:
-        raise AuthError("request carries no MAC")
-    inc_text, _, seq_text = seq.partition(".")
-    inc, number = _parse_epoch(inc_text), _parse_epoch(seq_text)
-    to = Receiver.parse(headers.get(TO, ""))
-    if not (_is_node_id(sender) and _is_mac(mac) and inc is not None and number is not None
-            and to is not None):
-        raise AuthError("malformed authentication headers")
-    return RequestId(sender, inc, number, to)
-
-
 class Pending:
     """A request whose headers passed: feed the body as it streams, then `finish`. `pairs`
     are (swarm key, pair key) of the sender's life: one per swarm key its hellos used (two
     during a key rotation's grace), each MAC computed as the body streams."""
 
     def __init__(self, keys: Keyring, method: str, path: str, rid: RequestId, mac: str,
-                 guard: ReplayGuard, pairs: list[tuple[bytes, bytes]]):
+                 guard: ReplayGuard, pairs: list[tuple[bytes, bytes]],
+                 verified: Callable[[str], None] = lambda sender: None):
         self.rid, self._mac, self._guard, self._keys = rid, mac, guard, keys
+        self._verified = verified  # told the sender once the MAC verified
         fields = rid.fields(method, path)
         self._hs = [(swarm_key, pair, _start(pair, _REQ_TAG, fields)) for swarm_key, pair in pairs]
 
@@ -333,64 +218,8 @@ class Pending:
         if not self._keys.accepts(found[0]):
             raise AuthError(ROTATED)
         self._guard.check(self.rid)
+        self._verified(self.rid.sender)
         return replace(self.rid, key=found[1])
-
-
-class ReplayGuard:
-    """Per sender: the newest incarnation and the sequences seen near the newest one."""
-
-    def __init__(self, window: int = REPLAY_WINDOW, max_senders: int = MAX_SENDERS):
-        self.window, self.max_senders = window, max_senders
-        # sender -> (incarnation, newest seq, bitmask of seen seqs: bit i = newest - i)
-        self._seen: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
-
-    def incarnation(self, sender: str) -> int:
-        """The newest incarnation of `sender` recorded (-1: none)."""
-        entry = self._seen.get(sender)
-        return -1 if entry is None else entry[0]
-
-    def peek(self, rid: RequestId) -> None:
-        """AuthError if `check` would refuse `rid`; records nothing (safe before the MAC)."""
-        entry = self._seen.get(rid.sender)
-        if entry is None or rid.incarnation > entry[0]:
-            return
-        inc, newest, mask = entry
-        if rid.incarnation < inc:
-            raise AuthError(f"replay: incarnation {rid.incarnation} is older than {inc}")
-        if rid.seq <= newest:
-            behind = newest - rid.seq
-            if behind >= self.window:
-                raise AuthError(f"replay: sequence {rid.seq} is too far behind {newest}")
-            if mask >> behind & 1:
-                raise AuthError(f"replay: sequence {rid.seq} was already seen")
-
-    def check(self, rid: RequestId) -> None:
-        """Record `rid`, or raise AuthError if it is a replay or too old. Call only after the
-        MAC verified, or a forger could poison the window."""
-        entry = self._seen.get(rid.sender)
-        if entry is None or rid.incarnation > entry[0]:
-            self._remember(rid.sender, (rid.incarnation, rid.seq, 1))
-            return
-        inc, newest, mask = entry
-        if rid.incarnation < inc:
-            raise AuthError(f"replay: incarnation {rid.incarnation} is older than {inc}")
-        if rid.seq > newest:
-            shift = rid.seq - newest
-            mask = ((mask << shift) | 1) & ((1 << self.window) - 1) if shift < self.window else 1
-            self._remember(rid.sender, (inc, rid.seq, mask))
-            return
-        behind = newest - rid.seq
-        if behind >= self.window:
-            raise AuthError(f"replay: sequence {rid.seq} is too far behind {newest}")
-        if mask >> behind & 1:
-            raise AuthError(f"replay: sequence {rid.seq} was already seen")
-        self._remember(rid.sender, (inc, newest, mask | 1 << behind))
-
-    def _remember(self, sender: str, entry: tuple[int, int, int]) -> None:
-        self._seen[sender] = entry
-        self._seen.move_to_end(sender)
-        while len(self._seen) > self.max_senders:
-            self._seen.popitem(last=False)
 
 
 class ServerAuth:
@@ -405,10 +234,13 @@ class ServerAuth:
         self.key, self.node_id, self.incarnation = self.keys.current, life.node_id, life.incarnation
         self.guard = ReplayGuard(max_senders=max_senders)
         self.max_senders = max_senders
-        # sender -> (its incarnation, {swarm key its hello verified with: our pair key}): a
-        # pair per swarm key, so a hello made with the other key (during a rotation's grace,
-        # anyone's: cards are public) adds a pair and never replaces the one in use
-        self._pairs: OrderedDict[str, tuple[int, dict[bytes, bytes]]] = OrderedDict()
+        # sender -> (its incarnation, {swarm key its hello verified with: (pair key, salt)}):
+        # a pair per swarm key, so a hello made with the other key (during a rotation's
+        # grace, anyone's: cards are public) adds a pair and never replaces the one in use.
+        # A sender forgotten here is forgotten by the replay window too, and its next pair
+        # gets a new salt: a request captured under the old one never verifies again.
+        self._pairs: OrderedDict[str, tuple[int, dict[bytes, tuple[bytes, bytes]]]] = \
+            OrderedDict()
         # (sender, card text, swarm key) -> (card, pair key): cards checked lately
         self._cards: OrderedDict[tuple[str, str, bytes], tuple[Card, bytes]] = OrderedDict()
 
@@ -428,10 +260,19 @@ class ServerAuth:
         if pair is None or pair[0] != rid.incarnation:
             raise AuthError(f"no hello from node {rid.sender} in incarnation {rid.incarnation}"
                             f" here: say hello first")
-        self._pairs.move_to_end(rid.sender)  # a sender in use is forgotten last
         self.guard.peek(rid)
         return Pending(self.keys, method, path, rid, headers[MAC], self.guard,
-                       list(pair[1].items()))
+                       [(k, p) for k, (p, _) in pair[1].items()], self._used)
+
+    def _used(self, sender: str) -> None:
+        """A request of `sender` verified: it is forgotten after the senders idle longer."""
+        if sender in self._pairs:
+            self._pairs.move_to_end(sender)
+
+    def _forget_least_recent(self) -> None:
+        while len(self._pairs) > self.max_senders:
+            sender, _ = self._pairs.popitem(last=False)
+            self.guard.forget(sender)
 
     def verify(self, method: str, path: str, headers: Mapping[str, str],
                body: bytes | memoryview) -> RequestId:
@@ -447,11 +288,13 @@ class ServerAuth:
         assert rid.key is not None, "only a verified request is answered with a MAC"
         return response_headers(rid.key, method, path, rid, status, body)
 
-    def welcome(self, headers: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:
+    def welcome(self, headers: Mapping[str, str],
+                allow: Callable[[], bool] = lambda: True) -> tuple[bytes, dict[str, str]]:
         """The answer to a hello request (body, headers): our id, incarnation, protocol
-        version and card, MACed with our new pair key over the asker's nonce; AuthError if
-        the hello is not authentic (the swarm key's MAC, the asker's card) or comes from an
-        older life of its sender than one seen."""
+        version, card and the pair's salt, MACed with the pair key over the asker's nonce;
+        AuthError if the hello is not authentic (the swarm key's MAC, the asker's card) or
+        comes from an older life of its sender than one seen; HelloBusy if a card to check
+        is not `allow`ed (a member's flood of hellos: they cost a signature check)."""
         check_version(headers)
         sender, nonce, mac = headers.get(SENDER, ""), headers.get(NONCE, ""), headers.get(MAC, "")
         card_text = headers.get(CARD, "")
@@ -468,6 +311,8 @@ class ServerAuth:
             raise AuthError(ROTATED)
         checked = self._cards.pop((sender, card_text, key), None)
         if checked is None:  # (a hello played again costs no signature check a second time)
+            if not allow():
+                raise HelloBusy("too many hellos from this address")
             try:
                 card = Card.parse(card_text, sender)
                 checked = card, self.life.pair_key(key, card)
@@ -483,13 +328,15 @@ class ServerAuth:
             raise AuthError(f"hello of node {sender}: incarnation {card.incarnation} is older "
                             f"than {known}")
         pairs = dict(entry[1]) if entry is not None and entry[0] == card.incarnation else {}
-        pairs[key] = pair  # the same life and key give the same pair: a replay changes nothing
+        if key not in pairs:  # held: a replayed hello changes nothing; else a new salt
+            salt = secrets.token_bytes(SALT_BYTES)
+            pairs[key] = salted(pair, salt), salt
+        pair, salt = pairs[key]
         self._pairs[sender] = (card.incarnation, pairs)
         self._pairs.move_to_end(sender)
-        while len(self._pairs) > self.max_senders:
-            self._pairs.popitem(last=False)
+        self._forget_least_recent()
         body = json.dumps({"node_id": self.node_id, "incarnation": self.incarnation,
-                           "version": PROTOCOL_VERSION, "card": self.life.card.text()},
-                          separators=(",", ":")).encode()
+                           "version": PROTOCOL_VERSION, "card": self.life.card.text(),
+                           "salt": salt.hex()}, separators=(",", ":")).encode()
         return body, {SENDER: self.node_id,
                       MAC: _mac(pair, _WELCOME_TAG, (nonce, sender), body)}

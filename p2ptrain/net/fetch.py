@@ -60,7 +60,7 @@ from yarl import URL
 from p2ptrain.checkpoint import manifest as mf
 from p2ptrain.checkpoint.store import describe_arch
 from p2ptrain.net.auth import AuthError, Receiver, RequestId, Signer
-from p2ptrain.net.hello import HelloError, hello, key_hint
+from p2ptrain.net.hello import HelloError, HelloLater, hello, key_hint
 from p2ptrain.net.neterrors import explain
 from p2ptrain.net.partial import (
     PARTIAL_PREFIX,
@@ -80,6 +80,7 @@ MAX_IN_FLIGHT = 12  # chunk requests outstanding in all (each holds a chunk in m
 MAX_SOURCES = 32  # sources used at once
 SOURCE_FAILURES = 4  # transient failures in a row that drop a source
 BACKOFF, BACKOFF_MAX = 0.25, 8.0  # s a failing source rests: doubles per failure, up to the max
+HELLO_LATER_TRIES, HELLO_LATER_WAIT = 10, 1.0  # a source busy with hellos (429): asked again
 REFRESH = 1.0  # s between asking a partial holder which chunks it has now
 SOURCE_POLL = 2.0  # s between looks at `more_sources`
 NOT_HELD_GRACE = 30.0  # s a source that holds none of the checkpoint yet is asked again
@@ -251,6 +252,8 @@ async def _get(conn: _Conn, path: str, ok_status: int, limit: int, into: bytearr
     if status == 401 and again:
         try:
             to = await hello(conn.session, conn.base, conn.signer)
+        except HelloLater as exc:  # busy with hellos: this request fails, the source stays
+            raise _Retry(str(exc)) from None
         except HelloError as exc:
             raise _Drop(str(exc)) from None
         if to.node_id != conn.to.node_id:
@@ -341,11 +344,18 @@ async def _learn(src: Source, manifest: mf.Manifest, now: float) -> None:
 async def _connect(session: aiohttp.ClientSession, src: Source, signer: Signer,
                    timeout: float) -> None:
     base = f"http://{src.addr}"
-    try:
-        to = await hello(session, base, signer, timeout)
-    except HelloError as exc:
-        src.dropped = _printable(str(exc), 300)
-        return
+    for attempt in range(HELLO_LATER_TRIES):
+        try:
+            to = await hello(session, base, signer, timeout)
+            break
+        except HelloLater as exc:  # the source asks for a second: it answers hellos later
+            if attempt + 1 == HELLO_LATER_TRIES:
+                src.dropped = _printable(str(exc), 300)
+                return
+            await asyncio.sleep(HELLO_LATER_WAIT)
+        except HelloError as exc:
+            src.dropped = _printable(str(exc), 300)
+            return
     src.conn = _Conn(session, base, signer,
                      aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout),
                      to, aiohttp.ClientTimeout(total=timeout, sock_connect=timeout))

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from p2ptrain.net.auth import AuthError, Receiver, ServerAuth, Signer, VersionError
+from p2ptrain.net.auth import AuthError, HelloBusy, Receiver, ServerAuth, Signer, VersionError
 from p2ptrain.net.neterrors import explain
 from p2ptrain.proto import PROTOCOL_VERSION
 
@@ -49,6 +49,10 @@ HELLO_TIMEOUT = 10.0  # s for one hello round trip
 
 class HelloError(Exception):
     """The node at an address could not be identified; the message says why."""
+
+
+class HelloLater(HelloError):
+    """The node asks us to say hello again later (HTTP 429: too many hellos from our address)."""
 
 
 class HelloRefused(HelloError):
@@ -83,6 +87,8 @@ async def _hello(session: aiohttp.ClientSession, base: str, signer: Signer, key:
             status, headers = resp.status, resp.headers
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         raise HelloError(explain(exc, base.removeprefix("http://"))) from None
+    if status == 429:
+        raise HelloLater(f"{base} refused our hello for now (HTTP 429: {_reason(body)})")
     if status in (404, 405):
         raise HelloError(f"{base} does not answer {HELLO}: it runs an older p2ptrain (protocol "
                          f"1); this node speaks protocol {PROTOCOL_VERSION}")
@@ -159,16 +165,20 @@ class Receivers:
 def add_hello_route(app: web.Application, auth: ServerAuth,
                     on_refused: Callable[[], None] | None = None,
                     allow: Callable[[str], bool] | None = None) -> None:
-    """Register GET /v1/hello on `app`. `allow(address)` may refuse a hello (429) before any
-    work: a hello costs a signature check and a key agreement, so the server limits them per
-    address (server.py)."""
+    """Register GET /v1/hello on `app`. `allow(address)` is asked before a card is checked (a
+    signature check and a key agreement: the server limits them per address, server.py) --
+    only for a hello whose swarm-key MAC verified and whose card is not among those checked
+    lately, so neither a stranger nor a member replaying hellos spends an address's budget;
+    refused, the hello is answered 429 (Retry-After: 1)."""
 
     async def welcome(request: web.Request) -> web.Response:
-        if allow is not None and not allow(request.remote or ""):
-            return web.json_response({"error": "too many hellos from this address"},
-                                     status=429, headers={"Retry-After": "1"})
+        remote = request.remote or ""
         try:
-            body, headers = auth.welcome(request.headers)
+            body, headers = auth.welcome(request.headers, allow=lambda: allow is None or allow(
+                remote))
+        except HelloBusy as exc:
+            return web.json_response({"error": exc.reason}, status=429,
+                                     headers={"Retry-After": "1"})
         except VersionError as exc:
             return web.json_response({"error": exc.reason}, status=400)
         except AuthError as exc:

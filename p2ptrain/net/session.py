@@ -10,8 +10,10 @@ sender is bound to the sender's own key:
   key), its incarnation, and an X25519 key made for this life alone. Its *card* is the X25519
   public key signed by the identity over (node id, incarnation), sent with every hello.
 - Two lives that have seen each other's cards share a *pair key*: a keyed hash (by the swarm's
-  MAC key the hello verified with) of their X25519 secret and both lives. Requests and
-  responses between them are MACed with it (auth.py). Another member has neither private key,
+  MAC key the hello verified with) of their X25519 secret and both lives, salted by the node
+  asked (`salted`: a new salt each time it has no pair of that life and key, so a request
+  captured under a pair it forgot never verifies again). Requests and responses between them
+  are MACed with it (auth.py). Another member has neither private key,
   so it cannot make or check that MAC; the swarm key is still needed, so an identity alone
   (no swarm key) gets nothing.
 
@@ -31,6 +33,8 @@ from p2ptrain.proto import PROTOCOL_VERSION
 
 _CARD_TAG = f"p2ptrain/{PROTOCOL_VERSION} card\n".encode()
 _PAIR_PERSON = b"p2ptrain pair"  # BLAKE2b personalisation (<= 16 bytes)
+_SALT_PERSON = b"p2ptrain salt"
+SALT_BYTES = 16
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -114,3 +118,8 @@ class Life:
                         f"{peer.node_id}.{peer.incarnation}"])
         return hashlib.blake2b(shared + "|".join(lives).encode(), key=mac_key, digest_size=32,
                                person=_PAIR_PERSON).digest()
+
+
+def salted(base: bytes, salt: bytes) -> bytes:
+    """The pair key of `base` (Life.pair_key) under the node's `salt` (SALT_BYTES)."""
+    return hashlib.blake2b(salt, key=base, digest_size=32, person=_SALT_PERSON).digest()
