@@ -342,12 +342,19 @@ def test_a_bad_card_is_refused(change):
     assert Card.parse(life.card.text(), life.node_id) == life.card
 
 
-def test_a_sender_in_use_is_forgotten_after_idle_ones():
+def _two_senders() -> tuple[ServerAuth, Signer, Signer]:
+    """A node that keeps two senders, and two senders that said hello to it."""
     key = derive_mac_key(b"k" * 32)
     server = ServerAuth(key, LIFE_B, max_senders=2)
-    busy, idle = Signer(key, Life.throwaway(1)), Signer(key, Life.throwaway(1))
-    introduce(busy, server)
-    introduce(idle, server)
+    senders = Signer(key, Life.throwaway(1)), Signer(key, Life.throwaway(1))
+    for sender in senders:
+        introduce(sender, server)
+    return server, *senders
+
+
+def test_a_sender_in_use_is_forgotten_after_idle_ones():
+    server, busy, idle = _two_senders()
+    key = server.key
     _, sent = busy.sign_request("POST", "/v1/control", b"x", to=TO_B)
     server.verify("POST", "/v1/control", sent, b"x")  # busy is the most recent now
     introduce(Signer(key, Life.throwaway(1)), server)  # a third: the idle one goes
@@ -404,11 +411,8 @@ def test_a_captured_request_is_refused_after_its_sender_was_forgotten():
 
 
 def test_only_a_verified_request_keeps_its_sender_remembered():
-    key = derive_mac_key(b"k" * 32)
-    server = ServerAuth(key, LIFE_B, max_senders=2)
-    first, second = Signer(key, Life.throwaway(1)), Signer(key, Life.throwaway(1))
-    introduce(first, server)
-    introduce(second, server)
+    server, first, _ = _two_senders()
+    key = server.key
     _, forged = first.sign_request("POST", "/v1/control", b"x", to=TO_B)
     forged[MAC] = "0" * 64  # names `first`, does not verify: must not refresh it
     with pytest.raises(AuthError, match="does not verify"):
