@@ -28,7 +28,13 @@ from p2ptrain.identity import Identity, load_or_create
 from p2ptrain.net import ckptserve
 from p2ptrain.net.auth import ServerAuth, Signer, derive_mac_key, response_headers
 from p2ptrain.net.ckptserve import RangeError, Serving, add_checkpoint_routes, parse_range
-from p2ptrain.net.fetch import PARTIAL_PREFIX, FetchError, check_answer, fetch_latest
+from p2ptrain.net.fetch import (
+    PARTIAL_PREFIX,
+    FetchError,
+    check_answer,
+    fetch_checkpoint,
+    fetch_latest,
+)
 from p2ptrain.net.hello import add_hello_route, hello
 from p2ptrain.net.session import Life
 from p2ptrain.net.shelf import Shelf
@@ -243,6 +249,35 @@ def test_a_fetch_says_hello_again_when_its_source_forgets_it(leader, tmp_path):
     assert got == tmp_path / "out" / leader.ckid
     assert store.read_manifest(got) == store.read_manifest(leader.ckroot / leader.ckid)
     assert leader.counts["chunks"] > 6  # the 6 chunks, one of them asked for again
+
+
+def test_a_fetch_goes_on_under_the_nodes_new_life(leader, tmp_path):
+    """A joiner that switches to outbound-only mid-fetch goes on under a new incarnation, and
+    its outbox says hello under it at once: the source then refuses the old life ("say hello
+    first") and refused its re-hello as older, so the fetch failed. Given the node's signer of
+    the moment, the fetch says hello again under the new life and goes on."""
+    node_key = Ed25519PrivateKey.generate()
+    node = {"signer": Signer(KEY, Life.throwaway(5, node_key))}
+    new = Signer(KEY, Life.throwaway(6, node_key))
+    app = make_app(leader)
+
+    @web.middleware
+    async def switch(request, handler):
+        if request.path.endswith("safetensors") and leader.counts["chunks"] == 2:
+            introduce(new, leader.auth)  # the node's outbox, under its new life
+            node["signer"] = new
+        return await handler(request)
+
+    app.middlewares.append(switch)
+
+    async def run() -> Path:
+        async with serving(app) as base, aiohttp.ClientSession() as session:
+            fetched = await fetch_checkpoint(session, [base.removeprefix("http://")],
+                                             lambda: node["signer"], tmp_path / "out",
+                                             expected_leader=leader.ident.node_id)
+            return fetched.path
+
+    assert asyncio.run(run()) == tmp_path / "out" / leader.ckid
 
 
 def test_a_fetch_waits_for_a_source_busy_with_hellos(leader, tmp_path):

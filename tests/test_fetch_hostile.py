@@ -146,7 +146,7 @@ def test_a_joiners_fetch_signs_as_the_node_signs_now(leader, tmp_path, monkeypat
     used = []
 
     async def record(session, sources, signer, *args, **kwargs):
-        used.append(signer)
+        used.append(signer() if callable(signer) else signer)  # whom it signs as at the start
         raise RuntimeError("recorded")
 
     monkeypatch.setattr("p2ptrain.net.joinflow.fetch_checkpoint", record)

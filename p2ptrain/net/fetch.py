@@ -126,6 +126,7 @@ class _Conn:
     to: Receiver  # who serves at `base` (from hello; again after a 401)
     answer_timeout: aiohttp.ClientTimeout  # a JSON answer, whole: a trickle must not hold
     #                                        a fetch's start for ever
+    now: Callable[[], Signer]  # the signer to say hello again with (a node's of the moment)
 
 
 @dataclass(eq=False)
@@ -250,15 +251,16 @@ async def _get(conn: _Conn, path: str, ok_status: int, limit: int, into: bytearr
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         raise _Retry(explain(exc, where)) from None
     if status == 401 and again:
+        signer = conn.now()  # (a node that went on under a new life: its new one)
         try:
-            to = await hello(conn.session, conn.base, conn.signer)
+            to = await hello(conn.session, conn.base, signer)
         except HelloLater as exc:  # busy with hellos: this request fails, the source stays
             raise _Retry(str(exc)) from None
         except HelloError as exc:
             raise _Drop(str(exc)) from None
         if to.node_id != conn.to.node_id:
             raise _Drop(f"another node answers at {where} now ({to.node_id})")
-        conn.to = to
+        conn.to, conn.signer = to, signer
         return await _get(conn, path, ok_status, limit, into, byte_range, timeout, again=False)
     if status == 401:
         reason = _reason(body)
@@ -341,9 +343,11 @@ async def _learn(src: Source, manifest: mf.Manifest, now: float) -> None:
     src.empty_since, src.have = None, have
 
 
-async def _connect(session: aiohttp.ClientSession, src: Source, signer: Signer,
-                   timeout: float) -> None:
+async def _connect(session: aiohttp.ClientSession, src: Source,
+                   signer: Signer | Callable[[], Signer], timeout: float) -> None:
     base = f"http://{src.addr}"
+    now = _provider(signer)
+    signer = now()
     for attempt in range(HELLO_LATER_TRIES):
         try:
             to = await hello(session, base, signer, timeout)
@@ -358,7 +362,11 @@ async def _connect(session: aiohttp.ClientSession, src: Source, signer: Signer,
             return
     src.conn = _Conn(session, base, signer,
                      aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout),
-                     to, aiohttp.ClientTimeout(total=timeout, sock_connect=timeout))
+                     to, aiohttp.ClientTimeout(total=timeout, sock_connect=timeout), now)
+
+
+def _provider(signer: Signer | Callable[[], Signer]) -> Callable[[], Signer]:
+    return signer if callable(signer) else lambda: signer
 
 
 def measured(src: Source, sample: float) -> None:
@@ -637,7 +645,8 @@ class _Run:
         self.add(src)
 
 
-async def fetch_checkpoint(session: aiohttp.ClientSession, sources: list[str], signer: Signer,
+async def fetch_checkpoint(session: aiohttp.ClientSession, sources: list[str],
+                           signer: Signer | Callable[[], Signer],
                            out_root: Path, *, expected_leader: str | None,
                            files: tuple[str, ...] = mf.DATA_FILES,
                            progress: Callable[[int, int, int], None] | None = None,
@@ -652,7 +661,9 @@ async def fetch_checkpoint(session: aiohttp.ClientSession, sources: list[str], s
     if it does not hold it, the newest. `progress(bytes_done, bytes_total, sources_in_use)`
     is called as chunks arrive. `fingerprint`: the model's, which the manifest must name
     (NoCheckpoint before a byte of it is fetched: a joiner fetched a checkpoint of another
-    model whole -- up to 2 x 256 GiB a manifest may declare -- before judging it)."""
+    model whole -- up to 2 x 256 GiB a manifest may declare -- before judging it). `signer`
+    may be a function giving the node's signer of the moment: a source that refuses us (401)
+    is said hello again with that one (a node gone on under a new life mid-fetch)."""
     if not sources:
         raise FetchError("no source to fetch a checkpoint from")
     if not set(files) <= set(mf.DATA_FILES) or mf.MODEL_FILE not in files:
@@ -723,7 +734,7 @@ async def _manifest(srcs: list[Source], expected: str | None, prefer: str | None
     raise kind("; ".join(_printable(r, 300) for r in reasons))
 
 
-async def _fetch(session, addrs: list[str], signer: Signer, out_root: Path,
+async def _fetch(session, addrs: list[str], signer: Signer | Callable[[], Signer], out_root: Path,
                  expected: str | None, files: tuple[str, ...], progress, more, shelf,
                  retries: int, timeout: float, seed: int | None,
                  prefer: str | None, fingerprint: str | None) -> Fetched:
@@ -745,7 +756,8 @@ async def _fetch(session, addrs: list[str], signer: Signer, out_root: Path,
     held = Held(partial, manifest, have)
     if shelf is not None:
         shelf.register(held)
-    rng = random.Random(seed if seed is not None else f"{signer.node_id}{time.time_ns()}")
+    rng = random.Random(seed if seed is not None
+                        else f"{_provider(signer)().node_id}{time.time_ns()}")
     run = _Run(manifest, files, saved, partial, retries, progress, rng)
     loop = asyncio.get_running_loop()
     later = [s for s in srcs if s is not giver and s.conn is not None]  # step 2, meanwhile

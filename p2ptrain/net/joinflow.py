@@ -109,7 +109,7 @@ class JoinFetcher:
             text, event="fetch_progress"))
         try:
             fetched = await asyncio.wait_for(
-                fetch_checkpoint(self.session, sources, self.signer(), self.root,
+                fetch_checkpoint(self.session, sources, self.signer, self.root,
                                  expected_leader=action.leader, files=(checkpoint.MODEL_FILE,),
                                  progress=bar, shelf=self.shelf,
                                  more_sources=lambda digest: self.holders(action.leader,
