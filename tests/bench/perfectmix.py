@@ -89,6 +89,25 @@ def variant(scenario: Scenario, args: argparse.Namespace) -> Scenario:
     return scenario.replace(**changes)
 
 
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    """--lr, --ema, --warmup and --eval-every (what `variant` reads) and --seeds."""
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--ema", type=float)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--eval-every", type=float)
+    parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[1, 2, 3])
+
+
+def gossip_method(parser: argparse.ArgumentParser, scenario: Scenario, name: str) -> Method:
+    """The scenario's gossip method called `name`; a usage error naming its methods if none."""
+    by_name = {m.name: m for m in scenario.methods}
+    if name not in by_name or by_name[name].kind != "gossip":
+        parser.error(f"no gossip method {name!r} in {scenario.name}; its methods: "
+                     + "; ".join(by_name))
+    return by_name[name]
+
+
 def run(scenario: Scenario, method: Method, seed: int, args: argparse.Namespace) -> float | None:
     """Time to target of one run (`scenario` stops at the target: `variant`); anything but a
     gossip method with devices to mix runs as `python -m sims` runs it (a method's own lr)."""
@@ -115,23 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay", type=float, default=0.0,
                         help="s from a mix's snapshots to its landing (0: at once)")
     parser.add_argument("--only", action="store_true", help="the fleet is just --devices")
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--ema", type=float)
-    parser.add_argument("--warmup", type=int)
-    parser.add_argument("--eval-every", type=float)
-    parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1, 2, 3])
+    add_training_options(parser)
     parser.add_argument("--solo", action="store_true", help="the server alone besides")
     parser.add_argument("--solo-lr", type=float, help="its learning rate (default: --lr)")
     args = parser.parse_args(argv)
     if args.only and not args.devices:
         parser.error("--only keeps the --devices machines: name at least one class")
     scenario = variant(load(args.scenario), args)
-    by_name = {m.name: m for m in scenario.methods}
-    if args.method not in by_name or by_name[args.method].kind != "gossip":
-        parser.error(f"no gossip method {args.method!r} in {scenario.name}; its methods: "
-                     + "; ".join(by_name))
-    rows = [("mixed", by_name[args.method])]
+    rows = [("mixed", gossip_method(parser, scenario, args.method))]
     if args.solo:
         params = {"device": "server"} | ({"lr": args.solo_lr} if args.solo_lr else {})
         rows.append(("solo", Method("one server alone", "solo", params)))

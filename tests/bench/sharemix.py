@@ -33,7 +33,7 @@ import numpy as np
 from p2ptrain.codecs.positions import coded_size
 from sims.fleet import Training, World
 from sims.scenario import load
-from tests.bench.perfectmix import PerfectMix, variant
+from tests.bench.perfectmix import PerfectMix, add_training_options, gossip_method, variant
 
 
 class ShareMix(PerfectMix):
@@ -130,20 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--value-bytes", type=int, choices=(1, 2, 4), default=2)
     parser.add_argument("--start", type=float, default=0.0)
     parser.add_argument("--off", action="store_true")
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--ema", type=float)
-    parser.add_argument("--warmup", type=int)
-    parser.add_argument("--eval-every", type=float)
-    parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1, 2, 3])
+    add_training_options(parser)
     args = parser.parse_args(argv)
     args.only, args.period, args.weighted, args.delay = False, 0.28, False, 0.0
     scenario = variant(load(args.scenario), args)
-    by_name = {m.name: m for m in scenario.methods}
-    if args.method not in by_name or by_name[args.method].kind != "gossip":
-        parser.error(f"no gossip method {args.method!r} in {scenario.name}; its methods: "
-                     + "; ".join(by_name))
-    method = by_name[args.method]
+    method = gossip_method(parser, scenario, args.method)
     times = []
     for seed in args.seeds:
         wall = time.monotonic()
