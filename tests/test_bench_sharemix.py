@@ -21,8 +21,15 @@ def _sim(fraction: float, value_bytes: int = 4):
     for i in range(len(sim.machines)):
         sim.start(i)
     sent: list = []
-    sim.network.send = lambda src, dst, size, deliver, **kw: sent.append((src, dst, size,
-                                                                          deliver))
+    lost: list = []
+
+    def send(src, dst, size, deliver, **kw):  # held: the test delivers
+        sent.append((src, dst, size, deliver))
+        lost.append(kw["on_lost"])
+        return True
+
+    sim.network.send = send
+    sim.lost = lost
     return sim, sent
 
 
@@ -75,3 +82,19 @@ def test_a_short_run_shares_and_reports(capsys):
                    "--seeds", "1"])
     out = capsys.readouterr().out
     assert "shares" in out and out.strip().splitlines()[-1].startswith("ci (")
+
+
+def test_a_part_lost_on_the_way_frees_the_sender_and_reaches_nobody():
+    sim, sent = _sim(1.0)
+    first, second, third = sorted(sim.views)
+    x = sim.machines[first].node.learner.params
+    x += 1.0
+    before = sim.machines[second].node.learner.params.copy()
+    sim.share(first, sim.machines[first].generation)
+    sim.lost[0]()  # to the second: lost
+    assert sim.waiting[first] == 1
+    sent[1][3]()  # to the third: arrives
+    assert sim.waiting[first] == 0
+    np.testing.assert_array_equal(sim.machines[second].node.learner.params, before)
+    sim.share(first, sim.machines[first].generation)  # free to share again
+    assert len(sent) == 4

@@ -15,7 +15,8 @@ q / n to v_i and q / n - q to x_i -- it keeps its share and gives the rest away 
 receiver adds q / n to its replica and its view when the bytes arrive. What is not sent stays
 in x_i - v_i (error feedback for free), every increment counts once in every replica, and
 with nothing compressed the group moves as one replica fed by all of its steps. A machine
-sends only once its last share has arrived everywhere (the residual grows meanwhile).
+sends only once its last share has arrived everywhere or been lost on the way (the residual
+grows meanwhile; a lost part stays lost, the averaging beside draws that replica back).
 Before `--start` a machine shares nothing and its view follows its replica (a group formed
 late, without a common point). `--off`: the scenario's method alone, on the same settings.
 
@@ -109,11 +110,17 @@ class ShareMix(PerfectMix):
         self.shares += 1
         for j in others:
             self.bytes_sent += size
-            self.network.send(i, j, size, lambda j=j, g=self.machines[j].generation:
-                              self.land(i, j, g, q * share), bulk=True)
+            if not self.network.send(i, j, size, lambda j=j, g=self.machines[j].generation:
+                                     self.land(i, j, g, q * share), bulk=True,
+                                     on_lost=lambda: self.land(i, -1, 0, q),
+                                     on_cut=lambda: self.land(i, -1, 0, q)):
+                self.land(i, -1, 0, q)  # refused at once: that part is lost
 
     def land(self, i: int, j: int, generation: int, part: np.ndarray) -> None:
-        self.waiting[i] -= 1
+        """Part of i's share reaches j (j = -1: lost on the way, or refused)."""
+        self.waiting[i] = max(0, self.waiting[i] - 1)
+        if j < 0:
+            return
         mach = self.machines[j]
         if mach.node is not None and mach.generation == generation:
             mach.node.learner.params += part
