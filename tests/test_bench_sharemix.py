@@ -5,19 +5,21 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import pytest
 
 from sims.fleet import Training, World
 from sims.scenario import load
 from tests.bench import perfectmix, sharemix
 
 
-def _sim(fraction: float, value_bytes: int = 4):
+def _sim(fraction: float, value_bytes: int = 4, start: float = 0.0, form: str = "follow"):
     args = argparse.Namespace(lr=1.2e-2, ema=0.99, warmup=0, eval_every=5.0, only=False,
                               devices=["server"])
     scenario = perfectmix.variant(load("seed-100m"), args)
     world = World(scenario, 1, Training(scenario))
     method = next(m for m in scenario.methods if m.name == "gossip, the default")
-    sim = sharemix.ShareMix(world, method, {"server"}, fraction, value_bytes, 0.0)
+    sim = sharemix.ShareMix(world, method, {"server"}, fraction, value_bytes, start,
+                            form=form)
     for i in range(len(sim.machines)):
         sim.start(i)
     sent: list = []
@@ -98,3 +100,28 @@ def test_a_part_lost_on_the_way_frees_the_sender_and_reaches_nobody():
     np.testing.assert_array_equal(sim.machines[second].node.learner.params, before)
     sim.share(first, sim.machines[first].generation)  # free to share again
     assert len(sent) == 4
+
+
+@pytest.mark.parametrize("form", ["follow", "keep", "sync"])
+def test_a_group_formed_late_starts_from_the_views_its_form_says(form):
+    sim, sent = _sim(1.0, start=10.0, form=form)
+    group = sorted(sim.views)
+    rng = np.random.default_rng(2)
+    params = [sim.machines[j].node.learner.params for j in group]
+    start = [p.copy() for p in params]
+    for p in params:  # each drifts its own way before the group forms
+        p += rng.standard_normal(len(p)).astype(np.float32)
+    for j in group:
+        sim.share(j, sim.machines[j].generation)  # before --start: nothing is sent
+    assert not sent
+    for j, p, s0 in zip(group, params, start, strict=True):
+        np.testing.assert_array_equal(sim.views[j], p if form == "follow" else s0)
+    sim.engine.now = 10.0  # the group forms
+    mean = np.mean([p.copy() for p in params], axis=0)
+    sim.share(group[0], sim.machines[group[0]].generation)
+    if form == "sync":  # every member at the mean, its view with it; nothing left to send
+        for j, p in zip(group, params, strict=True):
+            np.testing.assert_allclose(p, mean, atol=1e-5)
+            np.testing.assert_allclose(sim.views[j], mean, atol=1e-5)
+    elif form == "keep":  # the drift since the start is what the first share carries
+        assert len(sent) == 2

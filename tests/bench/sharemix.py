@@ -3,7 +3,8 @@
 
     python -m tests.bench.sharemix [--scenario seed-100m] [--devices server] [--fraction 0.03]
                                    [--value-bytes 2] [--start 0] [--lr 1.2e-2] [--ema 0.99]
-                                   [--warmup 0] [--eval-every 5] [--seeds 1,2,3] [--off]
+                                   [--form follow|keep|sync] [--warmup 0] [--eval-every 5]
+                                   [--seeds 1,2,3] [--off]
 
 A scenario's gossip method runs as usual and, besides, the machines of the `--devices`
 classes (a group of n) keep an exact account of what they share. Each holds a view v_i
@@ -18,7 +19,10 @@ with nothing compressed the group moves as one replica fed by all of its steps. 
 sends only once its last share has arrived everywhere or been lost on the way (the residual
 grows meanwhile; a lost part stays lost, the averaging beside draws that replica back).
 Before `--start` a machine shares nothing and its view follows its replica (a group formed
-late, without a common point). `--off`: the scenario's method alone, on the same settings.
+late, without a common point); `--form keep`: the views keep the replicas' start (a common
+point if they started at one); `--form sync`: they follow, and at `--start` every member of
+the group is set to their mean (one perfect, free mix when the group forms). `--off`: the
+scenario's method alone, on the same settings.
 
 Throwaway-grade: no security checks, no churn handling beyond skipping machines that are
 down. One line per seed and a summary; nothing is written.
@@ -41,10 +45,10 @@ class ShareMix(PerfectMix):
     """A gossip run in which the `devices` machines share increments; see the docstring."""
 
     def __init__(self, world: World, method, devices: set[str], fraction: float,
-                 value_bytes: int, start: float, off: bool = False):
+                 value_bytes: int, start: float, off: bool = False, form: str = "follow"):
         super().__init__(world, method, set(), 1e9, 1e9, False)  # no perfect mix
         self.group, self.fraction, self.value_bytes = devices, fraction, value_bytes
-        self.start_sharing, self.off = start, off
+        self.start_sharing, self.off, self.form, self.synced = start, off, form, False
         self.views: dict[int, np.ndarray] = {}
         self.waiting: dict[int, int] = {}  # machine -> deliveries of its last share pending
         self.shares = 0
@@ -96,8 +100,18 @@ class ShareMix(PerfectMix):
             return
         params = mach.node.learner.params
         if self.off or self.engine.now < self.start_sharing:
-            self.views[i][:] = params
+            if self.form == "follow":
+                self.views[i][:] = params
             return
+        if self.form == "sync" and not self.synced:
+            self.synced = True  # the group formed: every member at the mean, views with it
+            up = [self.machines[j].node.learner.params for j in self.views
+                  if self.machines[j].node is not None]
+            mean = np.mean(up, axis=0, dtype=np.float64).astype(np.float32)
+            for j in self.views:
+                if self.machines[j].node is not None:
+                    self.machines[j].node.learner.params[:] = mean
+                    self.views[j][:] = mean
         others = [j for j in self.views if j != i and self.machines[j].node is not None]
         if not others or self.waiting[i]:
             return
@@ -136,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fraction", type=float, default=0.03)
     parser.add_argument("--value-bytes", type=int, choices=(1, 2, 4), default=2)
     parser.add_argument("--start", type=float, default=0.0)
+    parser.add_argument("--form", choices=("follow", "keep", "sync"), default="follow",
+                        help="before --start the views follow the replicas, keep their "
+                        "start, or follow and at --start every member is set to the mean")
     parser.add_argument("--off", action="store_true")
     add_training_options(parser)
     args = parser.parse_args(argv)
@@ -147,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         wall = time.monotonic()
         world = World(scenario, seed, Training(scenario))
         sim = ShareMix(world, method, args.devices, args.fraction, args.value_bytes,
-                       args.start, args.off)
+                       args.start, args.off, args.form)
         sim.recorder.stop = world.engine.stop
         t = sim.run()["time_to_target"]
         times.append(t)
@@ -156,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
               f"shares, {rate:.0f} MB/s of shares in the group "
               f"({time.monotonic() - wall:.0f} s wall)", flush=True)
     what = ("off" if args.off else f"{','.join(sorted(args.devices))} share top-k "
-            f"{args.fraction:g} in {args.value_bytes}-byte values from {args.start:g} s")
+            f"{args.fraction:g} in {args.value_bytes}-byte values from {args.start:g} s"
+            + (f" ({args.form})" if args.start > 0 else ""))
     print(f"{scenario.name} (lr {scenario.train.get('lr')}, ema {scenario.train.get('ema')}, "
           f"warm-up {scenario.train.get('warmup_samples')}; {what}): "
           + " / ".join("-" if t is None else f"{t:g}" for t in times) + " s")
