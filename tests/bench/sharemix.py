@@ -2,40 +2,48 @@
 2x at 100M, measured, not built into the product.
 
     python -m tests.bench.sharemix [--scenario seed-100m] [--devices server] [--fraction 0.03]
-                                   [--value-bytes 2] [--start 0] [--lr 1.2e-2] [--ema 0.99]
-                                   [--form follow|keep|sync] [--warmup 0] [--eval-every 5]
-                                   [--seeds 1,2,3] [--off]
+                                   [--values fp16] [--start 0 [--form follow|keep|sync]]
+                                   [--overhead X] [--lr 1.2e-2] [--ema 0.99] [--warmup 0]
+                                   [--eval-every 5] [--seeds 1,2,3] [--off]
 
 A scenario's gossip method runs as usual and, besides, the machines of the `--devices`
 classes (a group of n) keep an exact account of what they share. Each holds a view v_i
 (float32, set to its replica when it starts); after each of its steps a machine sends
-q = topk(x_i - v_i) (`--fraction` of the coordinates, values rounded to `--value-bytes`;
-1: int8 with one scale) to the n - 1 others over the simulated network (bytes charged as
-the charged model's: k values plus the Elias-Fano positions of the product's `topk`), adds
-q / n to v_i and q / n - q to x_i -- it keeps its share and gives the rest away -- and each
-receiver adds q / n to its replica and its view when the bytes arrive. What is not sent stays
-in x_i - v_i (error feedback for free), every increment counts once in every replica, and
-with nothing compressed the group moves as one replica fed by all of its steps. A machine
-sends only once its last share has arrived everywhere or been lost on the way (the residual
-grows meanwhile; a lost part stays lost, the averaging beside draws that replica back).
-Before `--start` a machine shares nothing and its view follows its replica (a group formed
-late, without a common point); `--form keep`: the views keep the replicas' start (a common
-point if they started at one); `--form sync`: they follow, and at `--start` every member of
-the group is set to their mean (one perfect, free mix when the group forms). `--off`: the
-scenario's method alone, on the same settings.
+q = topk(x_i - v_i) -- the product's `topk` codec, `--fraction` of each chunk's coordinates
+in `--values`, as a receiver decodes it -- to the n - 1 others over the simulated network
+(charged its exact bytes for the charged model), adds q / n to v_i and q / n - q to x_i -- it
+keeps its share and gives the rest away -- and each receiver adds q / n to its replica and its
+view when the bytes arrive. What is not sent stays in x_i - v_i (error feedback for free),
+every increment counts once in every replica, and with nothing compressed the group moves as
+one replica fed by all of its steps. A machine sends only once its last share has arrived
+everywhere or been lost on the way (the residual grows meanwhile; a lost part stays lost, the
+averaging beside draws that replica back). Before `--start` a machine shares nothing and its
+view follows its replica (a group formed late, without a common point); `--form keep`: the
+views keep the replicas' start (a common point if they started at one); `--form sync`: they
+follow, and at `--start` every member of the group is set to their mean (one perfect, free
+mix when the group forms). A member that adopts a checkpoint starts its view again there.
+`--off`: the scenario's method alone, on the same settings.
 
-Throwaway-grade: no security checks, no churn handling beyond skipping machines that are
-down. One line per seed and a summary; nothing is written.
+**The shares' own work is free unless `--overhead` says otherwise**: the difference, the
+top-k selection and the view's update over the whole vector after every step (at 100M about
+0.4-0.6 s of one core here, more than a server's 0.28 s step) take no simulated time;
+`--overhead X` makes the group's steps 1 + X times as long (the device's `overhead`), the
+cost of that work done in the step's stead.
+
+Throwaway-grade: no security checks; the sender knows at once which members are up (a real
+node learns it late). One line per seed and a summary; nothing is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
 
-from p2ptrain.codecs.positions import coded_size
+from p2ptrain.codecs import make_codec
+from sims.charge import vector_bytes
 from sims.fleet import Training, World
 from sims.scenario import load
 from tests.bench.perfectmix import PerfectMix, add_training_options, gossip_method, variant
@@ -45,10 +53,12 @@ class ShareMix(PerfectMix):
     """A gossip run in which the `devices` machines share increments; see the docstring."""
 
     def __init__(self, world: World, method, devices: set[str], fraction: float,
-                 value_bytes: int, start: float, off: bool = False, form: str = "follow"):
+                 values: str, start: float, off: bool = False, form: str = "follow"):
         super().__init__(world, method, set(), 1e9, 1e9, False)  # no perfect mix
-        self.group, self.fraction, self.value_bytes = devices, fraction, value_bytes
-        self.start_sharing, self.off, self.form, self.synced = start, off, form, False
+        self.group, self.start_sharing, self.off, self.form = devices, start, off, form
+        self.codec = make_codec("topk", fraction=fraction, values=values)
+        self.charged = vector_bytes(self.codec, world.charged.params)
+        self.synced = False
         self.views: dict[int, np.ndarray] = {}
         self.waiting: dict[int, int] = {}  # machine -> deliveries of its last share pending
         self.shares = 0
@@ -71,28 +81,18 @@ class ShareMix(PerfectMix):
 
         learner.apply_gradient = stepped
 
-    def charged_bytes(self, k: int, n: int) -> int:
-        planned = self.world.charged.params
-        kept = max(1, round(k * planned / n))
-        if kept >= planned:
-            return planned * self.value_bytes
-        return kept * self.value_bytes + coded_size(planned, kept)
+    def adopt(self, i: int, action) -> None:
+        """A member that adopts a checkpoint (back from a failure) has nothing of its own to
+        share: its view starts again at the weights it adopted."""
+        super().adopt(i, action)
+        if i in self.views and self.machines[i].node is not None:
+            self.views[i][:] = self.machines[i].node.learner.params
 
-    def compress(self, r: np.ndarray) -> tuple[np.ndarray, int]:
-        n = len(r)
-        k = max(1, int(n * self.fraction))
+    def compress(self, r: np.ndarray) -> np.ndarray:
+        """q: what the product's `topk` codec keeps of r, as a receiver decodes it."""
         q = np.zeros_like(r)
-        if k >= n:
-            q[:] = r
-        else:
-            idx = np.argpartition(np.abs(r), n - k)[n - k:]
-            q[idx] = r[idx]
-        if self.value_bytes == 1:
-            scale = float(np.abs(q).max()) / 127 or 1.0
-            q = (np.round(q / scale) * scale).astype(np.float32)
-        elif self.value_bytes == 2:
-            q = q.astype(np.float16).astype(np.float32)
-        return q, min(k, n)
+        self.codec.decode_into(self.codec.encode(r), q)
+        return q
 
     def share(self, i: int, generation: int) -> None:
         mach = self.machines[i]
@@ -115,24 +115,28 @@ class ShareMix(PerfectMix):
         others = [j for j in self.views if j != i and self.machines[j].node is not None]
         if not others or self.waiting[i]:
             return
-        q, k = self.compress(params - self.views[i])
+        q = self.compress(params - self.views[i])
         share = np.float32(1.0 / (len(others) + 1))
         self.views[i] += q * share
         params += q * (share - 1)
-        size = self.charged_bytes(k, len(q))
         self.waiting[i] = len(others)
         self.shares += 1
         for j in others:
-            self.bytes_sent += size
-            if not self.network.send(i, j, size, lambda j=j, g=self.machines[j].generation:
-                                     self.land(i, j, g, q * share), bulk=True,
-                                     on_lost=lambda: self.land(i, -1, 0, q),
-                                     on_cut=lambda: self.land(i, -1, 0, q)):
-                self.land(i, -1, 0, q)  # refused at once: that part is lost
+            self.bytes_sent += self.charged
 
-    def land(self, i: int, j: int, generation: int, part: np.ndarray) -> None:
-        """Part of i's share reaches j (j = -1: lost on the way, or refused)."""
-        self.waiting[i] = max(0, self.waiting[i] - 1)
+            def lost(i=i, g=generation) -> None:
+                self.land(i, g, -1, 0, q)
+
+            if not self.network.send(i, j, self.charged, lambda j=j, g=self.machines[j].generation:
+                                     self.land(i, generation, j, g, q * share), bulk=True,
+                                     on_lost=lost, on_cut=lost):
+                lost()  # refused at once: that part is lost
+
+    def land(self, i: int, sender: int, j: int, generation: int, part: np.ndarray) -> None:
+        """Part of i's share (sent by its incarnation `sender`) reaches j (j = -1: lost on the
+        way, or refused)."""
+        if self.machines[i].generation == sender:  # not a part of an incarnation before
+            self.waiting[i] = max(0, self.waiting[i] - 1)
         if j < 0:
             return
         mach = self.machines[j]
@@ -148,7 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=lambda s: {d for d in s.split(",") if d},
                         default={"server"})
     parser.add_argument("--fraction", type=float, default=0.03)
-    parser.add_argument("--value-bytes", type=int, choices=(1, 2, 4), default=2)
+    parser.add_argument("--values", choices=("fp16", "bf16", "fp32"), default="fp16",
+                        help="the topk codec's value type")
+    parser.add_argument("--overhead", type=float,
+                        help="the group's host work beside the gradient, as a share of its "
+                        "step time (the device's `overhead`): the shares' own cost")
     parser.add_argument("--start", type=float, default=0.0)
     parser.add_argument("--form", choices=("follow", "keep", "sync"), default="follow",
                         help="before --start the views follow the replicas, keep their "
@@ -158,12 +166,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.only, args.period, args.weighted, args.delay = False, 0.28, False, 0.0
     scenario = variant(load(args.scenario), args)
+    missing = args.devices - {g.device for g in scenario.nodes}
+    if missing:
+        parser.error(f"no machine of {', '.join(sorted(missing))} in {scenario.name}")
+    if args.overhead is not None:
+        scenario = scenario.replace(devices={
+            name: dataclasses.replace(d, overhead=args.overhead) if name in args.devices else d
+            for name, d in scenario.devices.items()})
     method = gossip_method(parser, scenario, args.method)
     times = []
     for seed in args.seeds:
         wall = time.monotonic()
         world = World(scenario, seed, Training(scenario))
-        sim = ShareMix(world, method, args.devices, args.fraction, args.value_bytes,
+        sim = ShareMix(world, method, args.devices, args.fraction, args.values,
                        args.start, args.off, args.form)
         sim.recorder.stop = world.engine.stop
         t = sim.run()["time_to_target"]
@@ -173,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
               f"shares, {rate:.0f} MB/s of shares in the group "
               f"({time.monotonic() - wall:.0f} s wall)", flush=True)
     what = ("off" if args.off else f"{','.join(sorted(args.devices))} share top-k "
-            f"{args.fraction:g} in {args.value_bytes}-byte values from {args.start:g} s"
+            f"{args.fraction:g} {args.values} from {args.start:g} s"
             + (f" ({args.form})" if args.start > 0 else ""))
     print(f"{scenario.name} (lr {scenario.train.get('lr')}, ema {scenario.train.get('ema')}, "
           f"warm-up {scenario.train.get('warmup_samples')}; {what}): "
