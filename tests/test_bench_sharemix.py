@@ -14,13 +14,15 @@ from sims.scenario import load
 from tests.bench import perfectmix, sharemix
 
 
-def _sim(fraction: float, values: str = "fp32", start: float = 0.0, form: str = "follow"):
+def _sim(fraction: float, values: str = "fp32", start: float = 0.0, form: str = "follow",
+         codec: str = "topk"):
     args = argparse.Namespace(lr=1.2e-2, ema=0.99, warmup=0, eval_every=5.0, only=False,
                               devices=["server"])
     scenario = perfectmix.variant(load("seed-100m"), args)
     world = World(scenario, 1, Training(scenario))
     method = next(m for m in scenario.methods if m.name == "gossip, the default")
-    sim = sharemix.ShareMix(world, method, {"server"}, fraction, values, start, form=form)
+    sim = sharemix.ShareMix(world, method, {"server"}, fraction, values, start, form=form,
+                            codec=codec)
     for i in range(len(sim.machines)):
         sim.start(i)
     sent: list = []
@@ -169,3 +171,21 @@ def test_a_member_that_adopts_a_checkpoint_gives_none_of_it_away():
         deliver()
     np.testing.assert_allclose(sim.machines[second].node.learner.params, before, atol=1e-7)
     np.testing.assert_allclose(sim.machines[first].node.learner.params, weights, atol=1e-6)
+
+
+def test_random_k_shares_seeded_positions_and_keeps_the_rest():
+    sim, sent = _sim(0.5, codec="randomk")
+    first = sorted(sim.views)[0]
+    params = [sim.machines[j].node.learner.params for j in sorted(sim.views)]
+    step = np.random.default_rng(4).standard_normal(len(params[0])).astype(np.float32) + 1.0
+    params[0] += step
+    before = [p.copy() for p in params]
+    sim.share(first, sim.machines[first].generation)
+    for *_, deliver in sent:
+        deliver()
+    moved = params[1] - before[1]
+    assert moved.nonzero()[0].size == len(step) // 2  # one coordinate in each pair of two
+    np.testing.assert_array_equal(moved, params[2] - before[2])
+    np.testing.assert_allclose(sum(params), sum(before), rtol=1e-4, atol=1e-4)
+    assert sent[0][2] == total_encoded_size(make_codec("randomk", fraction=0.5, values="fp32"),
+                                            sim.world.charged.params)

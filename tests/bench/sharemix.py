@@ -2,15 +2,17 @@
 2x at 100M, measured, not built into the product.
 
     python -m tests.bench.sharemix [--scenario seed-100m] [--devices server] [--fraction 0.03]
-                                   [--values fp16] [--start 0 [--form follow|keep|sync]]
+                                   [--codec topk|randomk] [--values fp16]
+                                   [--start 0 [--form follow|keep|sync]]
                                    [--overhead X] [--lr 1.2e-2] [--ema 0.99] [--warmup 0]
                                    [--eval-every 5] [--seeds 1,2,3] [--off]
 
 A scenario's gossip method runs as usual and, besides, the machines of the `--devices`
 classes (a group of n) keep an exact account of what they share. Each holds a view v_i
 (float32, set to its replica when it starts); after each of its steps a machine sends
-q = topk(x_i - v_i) -- the product's `topk` codec, `--fraction` of each chunk's coordinates
-in `--values`, as a receiver decodes it -- to the n - 1 others over the simulated network
+q = topk(x_i - v_i) -- the product's `topk` codec (or `randomk`, at positions a seed drawn
+for each share gives), `--fraction` of each chunk's coordinates in `--values`, as a receiver
+decodes it -- to the n - 1 others over the simulated network
 (charged its exact bytes for the charged model), adds q / n to v_i and q / n - q to x_i -- it
 keeps its share and gives the rest away -- and each receiver adds q / n to its replica and its
 view when the bytes arrive. What is not sent stays in x_i - v_i (error feedback for free),
@@ -53,10 +55,11 @@ class ShareMix(PerfectMix):
     """A gossip run in which the `devices` machines share increments; see the docstring."""
 
     def __init__(self, world: World, method, devices: set[str], fraction: float,
-                 values: str, start: float, off: bool = False, form: str = "follow"):
+                 values: str, start: float, off: bool = False, form: str = "follow",
+                 codec: str = "topk"):
         super().__init__(world, method, set(), 1e9, 1e9, False)  # no perfect mix
         self.group, self.start_sharing, self.off, self.form = devices, start, off, form
-        self.codec = make_codec("topk", fraction=fraction, values=values)
+        self.codec = make_codec(codec, fraction=fraction, values=values)
         self.charged = vector_bytes(self.codec, world.charged.params)
         self.synced = False
         self.views: dict[int, np.ndarray] = {}
@@ -89,9 +92,11 @@ class ShareMix(PerfectMix):
             self.views[i][:] = self.machines[i].node.learner.params
 
     def compress(self, r: np.ndarray) -> np.ndarray:
-        """q: what the product's `topk` codec keeps of r, as a receiver decodes it."""
+        """q: what the product's codec keeps of r, as a receiver decodes it (`randomk`: at the
+        positions of a seed each share draws anew, which travels in the chunk's header)."""
         q = np.zeros_like(r)
-        self.codec.decode_into(self.codec.encode(r), q)
+        seed = self.shares + 1
+        self.codec.decode_into(self.codec.encode(r, seed), q, 1.0, seed)
         return q
 
     def share(self, i: int, generation: int) -> None:
@@ -152,8 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=lambda s: {d for d in s.split(",") if d},
                         default={"server"})
     parser.add_argument("--fraction", type=float, default=0.03)
+    parser.add_argument("--codec", choices=("topk", "randomk"), default="topk",
+                        help="randomk: seeded positions, values only, no selection")
     parser.add_argument("--values", choices=("fp16", "bf16", "fp32"), default="fp16",
-                        help="the topk codec's value type")
+                        help="the codec's value type")
     parser.add_argument("--overhead", type=float,
                         help="the group's host work beside the gradient, as a share of its "
                         "step time (the device's `overhead`): the shares' own cost")
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         wall = time.monotonic()
         world = World(scenario, seed, Training(scenario))
         sim = ShareMix(world, method, args.devices, args.fraction, args.values,
-                       args.start, args.off, args.form)
+                       args.start, args.off, args.form, args.codec)
         sim.recorder.stop = world.engine.stop
         t = sim.run()["time_to_target"]
         times.append(t)
@@ -187,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"seed {seed}: {'not reached' if t is None else f'{t:g} s'}, {sim.shares} "
               f"shares, {rate:.0f} MB/s of shares in the group "
               f"({time.monotonic() - wall:.0f} s wall)", flush=True)
-    what = ("off" if args.off else f"{','.join(sorted(args.devices))} share top-k "
+    kind = "top-k" if args.codec == "topk" else "random-k"
+    what = ("off" if args.off else f"{','.join(sorted(args.devices))} share {kind} "
             f"{args.fraction:g} {args.values} from {args.start:g} s"
             + (f" ({args.form})" if args.start > 0 else ""))
     print(f"{scenario.name} (lr {scenario.train.get('lr')}, ema {scenario.train.get('ema')}, "
