@@ -15,14 +15,14 @@ from tests.bench import perfectmix, sharemix
 
 
 def _sim(fraction: float, values: str = "fp32", start: float = 0.0, form: str = "follow",
-         codec: str = "topk"):
+         codec: str = "topk", work: float = 0.0):
     args = argparse.Namespace(lr=1.2e-2, ema=0.99, warmup=0, eval_every=5.0, only=False,
                               devices=["server"])
     scenario = perfectmix.variant(load("seed-100m"), args)
     world = World(scenario, 1, Training(scenario))
     method = next(m for m in scenario.methods if m.name == "gossip, the default")
     sim = sharemix.ShareMix(world, method, {"server"}, fraction, values, start, form=form,
-                            codec=codec)
+                            codec=codec, work=work)
     for i in range(len(sim.machines)):
         sim.start(i)
     sent: list = []
@@ -189,3 +189,20 @@ def test_random_k_shares_seeded_positions_and_keeps_the_rest():
     np.testing.assert_allclose(sum(params), sum(before), rtol=1e-4, atol=1e-4)
     assert sent[0][2] == total_encoded_size(make_codec("randomk", fraction=0.5, values="fp32"),
                                             sim.world.charged.params)
+
+
+def test_a_share_selected_beside_the_steps_leaves_and_is_given_away_later():
+    sim, sent = _sim(1.0, work=0.4)
+    first = sorted(sim.views)[0]
+    x = sim.machines[first].node.learner.params
+    x += 1.0
+    later: list = []
+    sim.engine.after = lambda delay, fn, *a: later.append((delay, fn, a))  # held, not run
+    sim.share(first, sim.machines[first].generation)
+    assert not sent and sim.waiting[first] == 2  # selected; on its way out in 0.4 s
+    assert [delay for delay, _, _ in later] == [0.4]
+    x += 1.0  # a step meanwhile: not in this share
+    _, fn, args = later[0]
+    fn(*args)
+    assert [(s, d) for s, d, _, _ in sent] == [(first, j) for j in sorted(sim.views)[1:]]
+    np.testing.assert_allclose(x - sim.views[first], 1.0, atol=1e-6)  # the step since

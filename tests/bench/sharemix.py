@@ -4,8 +4,8 @@
     python -m tests.bench.sharemix [--scenario seed-100m] [--devices server] [--fraction 0.03]
                                    [--codec topk|randomk] [--values fp16]
                                    [--start 0 [--form follow|keep|sync]]
-                                   [--overhead X] [--lr 1.2e-2] [--ema 0.99] [--warmup 0]
-                                   [--eval-every 5] [--seeds 1,2,3] [--off]
+                                   [--overhead X | --work S] [--lr 1.2e-2] [--ema 0.99]
+                                   [--warmup 0] [--eval-every 5] [--seeds 1,2,3] [--off]
 
 A scenario's gossip method runs as usual and, besides, the machines of the `--devices`
 classes (a group of n) keep an exact account of what they share. Each holds a view v_i
@@ -30,7 +30,9 @@ mix when the group forms). A member that adopts a checkpoint starts its view aga
 top-k selection and the view's update over the whole vector after every step (at 100M about
 0.4-0.6 s of one core here, more than a server's 0.28 s step) take no simulated time;
 `--overhead X` makes the group's steps 1 + X times as long (the device's `overhead`), the
-cost of that work done in the step's stead.
+cost of that work done in the step's stead; `--work S` has it done beside the steps (another
+core): a share is taken from the residual at the step's end and leaves S seconds later, the
+sender giving it away then.
 
 Throwaway-grade: no security checks; the sender knows at once which members are up (a real
 node learns it late). One line per seed and a summary; nothing is written.
@@ -56,12 +58,12 @@ class ShareMix(PerfectMix):
 
     def __init__(self, world: World, method, devices: set[str], fraction: float,
                  values: str, start: float, off: bool = False, form: str = "follow",
-                 codec: str = "topk"):
+                 codec: str = "topk", work: float = 0.0):
         super().__init__(world, method, set(), 1e9, 1e9, False)  # no perfect mix
         self.group, self.start_sharing, self.off, self.form = devices, start, off, form
         self.codec = make_codec(codec, fraction=fraction, values=values)
         self.charged = vector_bytes(self.codec, world.charged.params)
-        self.synced = False
+        self.synced, self.work = False, work
         self.views: dict[int, np.ndarray] = {}
         self.waiting: dict[int, int] = {}  # machine -> deliveries of its last share pending
         self.shares = 0
@@ -121,11 +123,21 @@ class ShareMix(PerfectMix):
         if not others or self.waiting[i]:
             return
         q = self.compress(params - self.views[i])
-        share = np.float32(1.0 / (len(others) + 1))
-        self.views[i] += q * share
-        params += q * (share - 1)
         self.waiting[i] = len(others)
         self.shares += 1
+        if self.work > 0:  # selected beside the steps: it leaves `work` seconds later
+            self.engine.after(self.work, self.give, i, generation, others, q)
+        else:
+            self.give(i, generation, others, q)
+
+    def give(self, i: int, generation: int, others: list[int], q: np.ndarray) -> None:
+        """i gives q away: keeps its share, sends the rest to `others`."""
+        mach = self.machines[i]
+        if mach.generation != generation or mach.node is None:
+            return
+        share = np.float32(1.0 / (len(others) + 1))
+        self.views[i] += q * share
+        mach.node.learner.params += q * (share - 1)
         for j in others:
             self.bytes_sent += self.charged
 
@@ -164,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overhead", type=float,
                         help="the group's host work beside the gradient, as a share of its "
                         "step time (the device's `overhead`): the shares' own cost")
+    parser.add_argument("--work", type=float, default=0.0,
+                        help="s a share's selection takes beside the steps (another core): "
+                        "it leaves, and the sender gives it away, that much later")
     parser.add_argument("--start", type=float, default=0.0)
     parser.add_argument("--form", choices=("follow", "keep", "sync"), default="follow",
                         help="before --start the views follow the replicas, keep their "
@@ -186,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         wall = time.monotonic()
         world = World(scenario, seed, Training(scenario))
         sim = ShareMix(world, method, args.devices, args.fraction, args.values,
-                       args.start, args.off, args.form, args.codec)
+                       args.start, args.off, args.form, args.codec, args.work)
         sim.recorder.stop = world.engine.stop
         t = sim.run()["time_to_target"]
         times.append(t)
@@ -197,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     kind = "top-k" if args.codec == "topk" else "random-k"
     what = ("off" if args.off else f"{','.join(sorted(args.devices))} share {kind} "
             f"{args.fraction:g} {args.values} from {args.start:g} s"
-            + (f" ({args.form})" if args.start > 0 else ""))
+            + (f" ({args.form})" if args.start > 0 else "")
+            + (f", its work {args.work:g} s beside the steps" if args.work else "")
+            + (f", steps {1 + args.overhead:g}x as long" if args.overhead else ""))
     print(f"{scenario.name} (lr {scenario.train.get('lr')}, ema {scenario.train.get('ema')}, "
           f"warm-up {scenario.train.get('warmup_samples')}; {what}): "
           + " / ".join("-" if t is None else f"{t:g}" for t in times) + " s")
