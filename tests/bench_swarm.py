@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each measure")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleanup runs on SIGTERM too
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     command = "python -m tests.bench_swarm " + " ".join(argv if argv is not None
                                                         else sys.argv[1:])

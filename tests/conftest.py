@@ -10,9 +10,31 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before anything imports numpy
 
+import signal  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+_signalled: list[str] = []  # the termination signal received, if any
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """Turn SIGTERM or SIGHUP into KeyboardInterrupt, as if Ctrl-C: `finally` blocks, context
+    managers, fixture teardown and atexit hooks then run, removing network namespaces, bridges
+    and child processes (the default action ends the process on the spot). A repeat is ignored
+    so that this cleanup finishes; SIGKILL still ends the run at once."""
+    if _signalled:
+        return
+    _signalled.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(f"{_signalled[0]} received: tearing down")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Install _interrupt for the whole run (also for atexit), unless something else handles
+    or ignores the signal already (nohup)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _interrupt)
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
 """Hosts made of Linux network namespaces on one bridge, for driver tests (needs root).
 
 A `NetLab` owns everything it creates — namespaces, veth pairs, a bridge, the processes it
-started — and removes all of it on exit, even when the test body raised; cleanup logs to
-stderr and never raises. Names are unique per process and lab, so parallel runs never collide.
+started — and removes all of it on exit, even when the test body raised or the run got
+SIGTERM/SIGHUP (tests/conftest.py turns those into KeyboardInterrupt; a signal arriving during
+the removal waits for its end); cleanup logs to stderr and never raises. Names are unique
+per process and lab, so parallel runs never collide.
 mDNS needs nothing more than this: zeroconf picks the interface itself, no multicast route.
 """
 
@@ -25,6 +27,9 @@ import pytest
 _lab_numbers = itertools.count()  # makes every lab of this process unique
 _IFNAMSIZ = 15  # longest Linux interface name
 _STOP_GRACE = 3.0  # seconds a process gets between SIGTERM and SIGKILL
+# held back while a lab is removed: their handlers (Ctrl-C's KeyboardInterrupt, SIGTERM's and
+# SIGHUP's in tests/conftest.py) would stop the removal half-way, and nothing would finish it
+_DEFERRED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 def _base36(n: int) -> str:
@@ -178,13 +183,17 @@ class NetLab:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
-        self._stop_processes()
-        for link in reversed(self._links):  # host ends first (deleting one removes its pair)
-            if _ip("link", "show", link, check=False).returncode == 0:
-                self._quietly("link", "delete", link)
-        for ns in self._namespaces:
-            self._quietly("netns", "delete", ns)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)  # delivered when done
+        try:
+            atexit.unregister(self.close)
+            self._stop_processes()
+            for link in reversed(self._links):  # host ends first (deleting one removes its pair)
+                if _ip("link", "show", link, check=False).returncode == 0:
+                    self._quietly("link", "delete", link)
+            for ns in self._namespaces:
+                self._quietly("netns", "delete", ns)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def _stop_processes(self) -> None:
         """SIGTERM everything we started (and stragglers in our namespaces), then SIGKILL."""
