@@ -15,6 +15,7 @@ real link behind its queue's depth. Everything it creates is removed on exit.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--upload-mib", type=int, default=40)
     args = ap.parse_args(argv)
     require_netns()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleanup runs on SIGTERM too
     with NetLab(2, "cw") as net:
         for i in range(2):
             net.run(i, ["ip", "route", "add", "default", "dev", "eth0"], check=True)

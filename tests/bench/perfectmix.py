@@ -3,6 +3,7 @@
     python -m tests.bench.perfectmix [--scenario seed-100m] [--method "gossip, the default"]
                                      [--devices server[,desktop]] [--weighted] [--start S]
                                      [--period P] [--delay D] [--only] [--lr 1.2e-2]
+                                     [--outer-lr 0.7 --outer-momentum 0.9]
                                      [--ema 0.99] [--warmup 0] [--eval-every 5] [--seeds 1,2,3]
                                      [--solo [--solo-lr 8e-3]]
 
@@ -14,7 +15,11 @@ classes are replaced by their mean (weighted by each machine's sample rate with
 `--weighted`) -- what a perfect all-reduce taking no time and no bytes would give; with
 `--delay D` each lands D seconds later as a move by (mean - its own snapshot), the steps
 taken meanwhile kept (an all-reduce overlapping the next steps, as the product's averaging
-does). `--only` keeps just those machines in the fleet. `--solo` runs the scenario's server
+does). With `--outer-lr` the mix is DiLoCo's outer step instead: the machines share an anchor
+(their first mean), each mix takes the pseudo-gradient d = anchor - mean, a Nesterov step
+with `--outer-momentum` m = mu m + d, anchor -= outer_lr (d + mu m), and every replica is set
+to the new anchor (outer lr 1, momentum 0 is the plain mix). `--only` keeps just those
+machines in the fleet. `--solo` runs the scenario's server
 alone too (the same settings, or at `--solo-lr`) and prints the ratio of the medians. The
 mean is taken at whatever moment the tick falls, a step in flight included (its gradient was
 computed on the replica before).
@@ -42,11 +47,27 @@ class PerfectMix(GossipSim):
     """A gossip run whose `devices` replicas are set to their mean every `period` s."""
 
     def __init__(self, world: World, method: Method, devices: set[str], period: float,
-                 start: float, weighted: bool, delay: float = 0.0):
+                 start: float, weighted: bool, delay: float = 0.0,
+                 outer: tuple[float, float] | None = None):
         super().__init__(world, method)
         self.devices, self.period, self.start_at, self.weighted = devices, period, start, weighted
-        self.delay = delay
+        self.delay, self.outer = delay, outer
+        self.anchor: np.ndarray | None = None  # with `outer`: the shared point and its momentum
+        self.momentum: np.ndarray | None = None
         self.mixes = 0
+
+    def _target(self, mean: np.ndarray) -> np.ndarray:
+        """Where a mix sets the replicas: their mean, or the anchor after an outer step."""
+        if self.outer is None:
+            return mean
+        if self.anchor is None:
+            self.anchor, self.momentum = mean, np.zeros_like(mean)
+            return mean
+        lr, mu = self.outer
+        delta = self.anchor - mean  # the pseudo-gradient of the steps since the last mix
+        self.momentum = mu * self.momentum + delta
+        self.anchor = (self.anchor - lr * (delta + mu * self.momentum)).astype(np.float32)
+        return self.anchor
 
     def _mix(self) -> None:
         up = [m for m in self.machines
@@ -55,7 +76,7 @@ class PerfectMix(GossipSim):
             rates = np.array([m.member.batch / self.world.compute_seconds(m.member)
                               if self.weighted else 1.0 for m in up])
             stacked = np.stack([m.node.learner.params for m in up])
-            mean = np.tensordot(rates / rates.sum(), stacked, 1).astype(np.float32)
+            mean = self._target(np.tensordot(rates / rates.sum(), stacked, 1).astype(np.float32))
             if self.delay > 0:  # each lands on the mean of the snapshots, its steps since kept
                 moves = [(m, m.generation, mean - row) for m, row in zip(up, stacked, strict=True)]
                 self.engine.after(self.delay, self._land, moves)
@@ -114,8 +135,9 @@ def run(scenario: Scenario, method: Method, seed: int, args: argparse.Namespace)
     if method.kind != "gossip" or not args.devices:
         return run_method(scenario, method, seed)["time_to_target"]
     world = World(scenario, seed, Training(scenario))
+    outer = None if args.outer_lr is None else (args.outer_lr, args.outer_momentum)
     sim = PerfectMix(world, method, set(args.devices), args.period, args.start, args.weighted,
-                     args.delay)
+                     args.delay, outer)
     sim.recorder.stop = world.engine.stop
     return sim.run()["time_to_target"]
 
@@ -134,6 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay", type=float, default=0.0,
                         help="s from a mix's snapshots to its landing (0: at once)")
     parser.add_argument("--only", action="store_true", help="the fleet is just --devices")
+    parser.add_argument("--outer-lr", type=float,
+                        help="mix by DiLoCo's outer step (Nesterov) with this outer lr")
+    parser.add_argument("--outer-momentum", type=float, default=0.9,
+                        help="its momentum (with --outer-lr)")
     add_training_options(parser)
     parser.add_argument("--solo", action="store_true", help="the server alone besides")
     parser.add_argument("--solo-lr", type=float, help="its learning rate (default: --lr)")
@@ -161,7 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     what = ("nothing" if not args.devices else
             f"{','.join(args.devices)} {'rate-weighted ' if args.weighted else ''}mean every "
             f"{args.period:g} s from {args.start:g} s"
-            + (f", landing {args.delay:g} s late" if args.delay else ""))
+            + (f", landing {args.delay:g} s late" if args.delay else "")
+            + (f", as an outer step (lr {args.outer_lr:g}, Nesterov momentum "
+               f"{args.outer_momentum:g})" if args.outer_lr is not None else ""))
     print(f"{scenario.name} (lr {scenario.train.get('lr')}, ema {scenario.train.get('ema')}, "
           f"warm-up {scenario.train.get('warmup_samples')}; perfect mix: {what}"
           f"{', only those machines' if args.only else ''}): {seen['mixed']} s", end="")

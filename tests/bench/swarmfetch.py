@@ -131,6 +131,7 @@ class Lab:
 def benchmark(size_mb: float, rate_mbit: float, chunk: int) -> None:
     from tests.netlab import NetLab
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleanup runs on SIGTERM too
     with tempfile.TemporaryDirectory() as tmp, NetLab(4, prefix="ckfs") as net:
         lab = Lab(net, Path(tmp), size_mb, rate_mbit, chunk)
         rate = rate_mbit * 1e6 / 8
