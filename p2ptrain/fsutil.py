@@ -93,6 +93,14 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
     return data
 
 
+def dangling(path: Path) -> str | None:
+    """What to say of `path` when it is a symbolic link to nothing (a disk not mounted)."""
+    if not path.is_symlink() or path.exists():
+        return None
+    return (f"it is a link to {os.readlink(path)}, which does not exist (is that disk "
+            f"mounted?): mount it, or remove the link")
+
+
 def describe_os_error(exc: OSError) -> str:
     """One line for a failed write: what went wrong, and where."""
     where = f" ({exc.filename})" if exc.filename else ""

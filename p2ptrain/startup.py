@@ -24,6 +24,7 @@ from p2ptrain.checkpoint.manifest import MAX_TERM
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.data.tokens import TOKENIZER_FILE, sha256_file
 from p2ptrain.errors import UserError
+from p2ptrain.fsutil import dangling
 from p2ptrain.hw import explain_batch
 from p2ptrain.identity import Identity, load_or_create
 from p2ptrain.learner import Learner
@@ -132,6 +133,8 @@ def prepare(settings: Settings, reporter: Reporter, alone: bool = True) -> Prepa
                       f"{4 * model.space.n_params / 2**20:,.0f} MiB more", event="ema")
 
     ckroot = state_dir / "checkpoints"
+    if why := dangling(ckroot):  # else a fresh start, and every write failing
+        raise UserError(f"cannot use {ckroot}: {why}")
     if ckroot.exists() and not ckroot.is_dir():  # found at the first write, the run's end
         raise UserError(f"{ckroot} is a file, not the node's checkpoint directory: move it "
                         f"away (or use another --state-dir)")

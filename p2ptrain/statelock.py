@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from p2ptrain.errors import UserError
+from p2ptrain.fsutil import dangling
 
 LOCK_FILE = "lock"
 IDENTITY_MARKERS = (LOCK_FILE, "identity.key")  # files that make a directory a state dir
@@ -34,8 +35,9 @@ def lock_state_dir(state_dir: Path, instead: str = "give each node its own --sta
             return
         fd = os.open(key / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        why = ("it is a file, not a directory" if exc.errno == errno.EEXIST
-               and not state_dir.is_dir() else exc.strerror or exc)  # (mkdir's "File exists")
+        why = (dangling(state_dir) or "it is a file, not a directory"
+               if exc.errno == errno.EEXIST and not state_dir.is_dir()
+               else exc.strerror or exc)  # (mkdir's "File exists")
         raise UserError(f"cannot use state directory {state_dir}: {why}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -21,11 +21,12 @@ import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from p2ptrain.fsutil import atomic_write_bytes
+from p2ptrain.fsutil import atomic_write_bytes, read_regular
 
 TOKEN_PREFIX = "p2pt1"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 DEMO_NAME = "demo"
+MAX_KEY_FILE_BYTES = 4096  # a key file is 32 bytes or a one-line token
 KEY_FILE, CONFIG_FILE = "swarm.key", "swarm.toml"
 PREVIOUS_TAG = ".previous"  # swarm.key -> swarm.previous.key
 
@@ -107,10 +108,12 @@ def parse_token(token: str) -> Swarm:
 
 def read_key_file(path: Path, name: str) -> Swarm:
     """A swarm from a key file written by `init` (32 raw bytes, or a token on one line)."""
-    try:
-        raw = path.read_bytes()
+    try:  # (a FIFO there cannot hang the start, nor /dev/zero fill memory)
+        raw = read_regular(path, MAX_KEY_FILE_BYTES)
     except OSError as exc:
         raise SwarmError(f"swarm key file {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # not a regular file, or too large
+        raise SwarmError(f"swarm key file {path}: {exc}") from None
     if raw.strip().startswith(TOKEN_PREFIX.encode()):
         return parse_token(raw.decode("ascii", "replace"))
     if len(raw) != 32:

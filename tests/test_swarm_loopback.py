@@ -190,3 +190,28 @@ def test_a_node_nobody_can_reach_turns_outbound_only_and_still_trains(tmp_path):
         wait_for("it to use peer gradients and average (all through its own requests)",
                  trains_with_peers, 60)
         assert lab.stop_all() == [0, 0, 0]
+
+
+def test_a_node_that_cannot_keep_a_new_incarnation_stays_as_it_is_and_says_why(tmp_path):
+    """The switch to outbound-only writes a new incarnation; on a disk gone read-only (here:
+    the incarnation file made a directory after the start) it failed without a word, and
+    the reachability check never ran again. Now it says so and trains on, reachable-only."""
+    with SwarmLab(tmp_path) as lab:
+        ports = free_ports(3)
+        a = lab.start("a", ports[0], [])
+        hidden = lab.start("hidden", ports[1], [a.addr], "--advertise",
+                           f"127.0.0.1:{ports[2]}")  # nothing listens on ports[2]
+        wait_for("the hidden node to start", lambda: [
+            e for e in hidden.events() if e.get("event") == "start"], 60)
+        incarnation = hidden.state_dir / "incarnation"
+        incarnation.unlink()
+        incarnation.mkdir()  # load_or_create: "incarnation is not a regular file"
+        failed = wait_for("the switch to fail", lambda: [
+            e for e in hidden.events() if e.get("event") == "outbound_only_failed"], 90)
+        assert "cannot go outbound-only" in failed[0]["message"], failed[0]
+        assert not [e for e in hidden.events() if e.get("event") == "outbound_only"]
+        step = hidden.status()["step"]
+        wait_for("it to train on", lambda: hidden.status()["step"] > step + 2, 60)
+        assert hidden.status()["outbound_only"] is False
+        incarnation.rmdir()  # its last checkpoint is written at the stop
+        assert lab.stop_all() == [0, 0]

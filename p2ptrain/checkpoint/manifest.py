@@ -31,6 +31,7 @@ from typing import Any
 
 import xxhash
 
+from p2ptrain.fsutil import NotRegularFile, TooLarge, read_regular
 from p2ptrain.identity import Identity, node_id_of, verify_signature
 
 FORMAT = "p2ptrain-checkpoint/1"
@@ -232,12 +233,14 @@ def sign(identity: Identity, *, step: int, term: int, fingerprint: str, arch: di
 
 def read(path: Path) -> Manifest:
     """The parsed manifest of checkpoint directory `path` (its files are not checked)."""
-    try:
-        with open(path / MANIFEST_FILE, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+    try:  # (never blocks: a FIFO planted there hung the node's start and its I/O thread)
+        data = read_regular(path / MANIFEST_FILE, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"{path.name}: no manifest.json") from None
-    except OSError as exc:
+    except TooLarge:
+        raise ManifestError(f"{path.name}: manifest refused: the manifest is longer than "
+                            f"{MAX_MANIFEST_BYTES} bytes") from None
+    except (OSError, NotRegularFile) as exc:
         raise CheckpointError(f"{path.name}: unreadable manifest ({exc})") from None
     try:
         return loads(data)

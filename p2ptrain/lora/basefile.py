@@ -34,7 +34,7 @@ from p2ptrain.checkpoint.safetensors_io import (
 )
 from p2ptrain.checkpoint.store import TOKENIZER_META_KEY, chunk_size_for
 from p2ptrain.codecs.kernels import f32_to_bf16_bits
-from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
+from p2ptrain.fsutil import atomic_write_bytes, fsync_dir, read_regular
 from p2ptrain.models.frozen import FrozenBase
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
 
@@ -135,10 +135,12 @@ def parse_manifest(data: bytes) -> dict:
 def read_base(path: str | os.PathLike) -> Base:
     """The base in directory `path` (manifest checked, file size checked; bytes not read)."""
     path = Path(path)
-    try:
-        data = (path / MANIFEST).read_bytes()
+    try:  # (never blocks on a FIFO, never reads /dev/zero)
+        data = read_regular(path / MANIFEST, MAX_MANIFEST_BYTES)
     except OSError as exc:
         raise BaseError(f"{path} is not a base directory: {exc.strerror or exc}") from None
+    except ValueError as exc:  # not a regular file, or too large
+        raise BaseError(f"{path / MANIFEST}: {exc}") from None
     try:
         doc = parse_manifest(data)
     except BaseError as exc:

@@ -16,13 +16,14 @@ import os
 import re
 from pathlib import Path
 
-from p2ptrain.fsutil import atomic_write_bytes, describe_os_error
+from p2ptrain.fsutil import atomic_write_bytes, dangling, describe_os_error, read_regular
 from p2ptrain.lora.basefile import Base, BaseError, is_base_dir, make_base, read_base, verify_base
 from p2ptrain.models.lora import LoRAConfig, LoRARWKV
 from p2ptrain.models.rwkv import RWKV, RWKVConfig
 
 BASE_ID_RE = re.compile(r"[0-9a-f]{16}")
 SOURCES = "sources.json"  # <state dir>/bases/: which base each source was made into
+MAX_SOURCES_BYTES = 2**20  # read at most this much of it (a cache: one past it starts anew)
 
 
 class BaseMissing(BaseError):
@@ -47,6 +48,8 @@ def find_base(base_id: str, roots: list[Path]) -> Base:
     for root in roots:
         if is_base_dir(root) and (given := read_base(root)).id == base_id:
             return given
+        if why := dangling(root / base_id):  # else fetched or made again in its place
+            raise BaseError(f"{root / base_id}: {why}")
         if is_base_dir(root / base_id):
             base = read_base(root / base_id)
             if base.id != base_id:
@@ -125,7 +128,7 @@ def _source_key(src: Path, dtype: str) -> str:
 def _made_before(root: Path, src: Path, dtype: str):
     """The base made from `src` by an earlier start (None: none, or the source changed)."""
     try:
-        index = json.loads((root / SOURCES).read_text())
+        index = json.loads(read_regular(root / SOURCES, MAX_SOURCES_BYTES))
         base_id = index[_source_key(src, dtype)]
         return find_base(base_id, [root]) if isinstance(base_id, str) else None
     except (OSError, ValueError, KeyError, TypeError, RecursionError, BaseError):
@@ -134,7 +137,7 @@ def _made_before(root: Path, src: Path, dtype: str):
 
 def _remember(root: Path, src: Path, dtype: str, base_id: str) -> None:
     try:
-        index = json.loads((root / SOURCES).read_text())
+        index = json.loads(read_regular(root / SOURCES, MAX_SOURCES_BYTES))
         index = index if isinstance(index, dict) else {}
     except (OSError, ValueError, RecursionError):
         index = {}

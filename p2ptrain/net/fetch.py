@@ -117,6 +117,11 @@ class _NotHeld(Exception):
     """The source does not hold that chunk (yet)."""
 
 
+class _LocalWrite(Exception):
+    """This node could not write a chunk (its disk full or read-only): no source's fault, and
+    the fetch ends with it (the message says so)."""
+
+
 @dataclass(slots=True)
 class _Conn:
     session: aiohttp.ClientSession
@@ -294,7 +299,10 @@ def _check_and_write(signer: Signer, answer: _Answer, chunk: mf.Chunk, size: int
     if xxhash.xxh3_64_hexdigest(body) != chunk.digest:
         raise _Drop(f"served {chunk.file} chunk {chunk.index} with bytes that do not match "
                     "the manifest")
-    write_chunk(target, chunk.offset, body)
+    try:
+        write_chunk(target, chunk.offset, body)
+    except OSError as exc:
+        raise _LocalWrite(f"cannot write {target}: {exc.strerror or exc}") from None
 
 
 async def _describe(conn: _Conn, ckid: str | None) -> tuple[str, mf.Manifest,
@@ -576,6 +584,9 @@ class _Run:
             return
         if isinstance(exc, _Drop):
             src.dropped = _printable(str(exc), 300)
+            return
+        if isinstance(exc, _LocalWrite):  # (was re-raised: a traceback, blaming the source)
+            self.error = FetchError(str(exc))
             return
         if not isinstance(exc, _Retry):
             self.error = FetchError(f"{where}: {type(exc).__name__}: {exc}")

@@ -22,9 +22,10 @@ from pathlib import Path
 import xxhash
 
 from p2ptrain.checkpoint import manifest as mf
-from p2ptrain.fsutil import atomic_write_bytes, fsync_dir
+from p2ptrain.fsutil import atomic_write_bytes, fsync_dir, read_regular
 
 PARTIAL_PREFIX, PROGRESS_FILE = ".partial-", "progress.json"
+MAX_PROGRESS_BYTES = 2 * mf.MAX_MANIFEST_BYTES  # a chunk index per chunk a manifest can list
 OLD_PREFIX = ".old-"  # + "<id>-<pid>": a checkpoint set aside while a fetch replaces it
 
 
@@ -84,7 +85,7 @@ def resume(partial: Path, manifest: mf.Manifest, files: tuple[str, ...]) -> dict
     still hash right, per data file (files not wanted: empty)."""
     tag = manifest.digest
     try:
-        doc = json.loads((partial / PROGRESS_FILE).read_bytes())
+        doc = json.loads(read_regular(partial / PROGRESS_FILE, MAX_PROGRESS_BYTES))
         if doc["manifest"] != tag:
             raise ValueError("another manifest")
         listed = {(n, i) for n in mf.DATA_FILES for i in doc["done"][n] if type(i) is int}

@@ -18,7 +18,7 @@ import math
 import time
 from pathlib import Path
 
-from p2ptrain.fsutil import atomic_write_bytes
+from p2ptrain.fsutil import atomic_write_bytes, read_regular
 from p2ptrain.net.auth import derive_mac_key
 from p2ptrain.net.keyring import SAVE_EVERY, Keyring
 from p2ptrain.report import Reporter
@@ -26,6 +26,7 @@ from p2ptrain.settings import SwarmConfig
 from p2ptrain.swarm import Swarm
 
 GRACE_FILE = "key-grace.json"
+MAX_GRACE_BYTES = 4096  # what write_used writes is under 200 bytes
 
 
 def read_used(path: Path, previous_id: str) -> float:
@@ -35,7 +36,7 @@ def read_used(path: Path, previous_id: str) -> float:
     if not path.exists():
         return 0.0
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_regular(path, MAX_GRACE_BYTES))  # (a FIFO there hung the start)
         if doc["previous"] != previous_id:
             return 0.0
         used = doc["used"]

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from p2ptrain import checkpoint, proto
 from p2ptrain.housekeeping import Housekeeping
-from p2ptrain.identity import load_or_create
+from p2ptrain.identity import IdentityError, load_or_create
 from p2ptrain.net.auth import Life, ServerAuth, Signer
 from p2ptrain.net.discovery import advertised_address, seed_loop, start_mdns
 from p2ptrain.net.joinflow import FETCHED_DIR, JoinFetcher
@@ -92,10 +92,8 @@ class Runtime:
 
     @property
     def phase(self) -> str:
-        if self._stopping:
-            return "stopping"
-        if self.node is None:
-            return "starting"
+        if self._stopping or self.node is None:
+            return "stopping" if self._stopping else "starting"
         return "fetching" if self.node.join.state == "fetching" else "running"
 
     def health(self) -> dict[str, Any]:
@@ -186,16 +184,13 @@ class Runtime:
     def _arm_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
         deadline = self.node.next_deadline() if self.node is not None else None
-        if deadline is not None and not self._stop.is_set():
-            self._timer = self.loop.call_at(self.t0 + max(deadline, self.now()),
-                                            lambda: self.handle(proto.Tick()))
+        self._timer = None if deadline is None or self._stop.is_set() else self.loop.call_at(
+            self.t0 + max(deadline, self.now()), lambda: self.handle(proto.Tick()))
 
     def _start_step(self, step: int) -> None:
-        if self._switch_pending:  # at a step boundary: the new node asks for its own step
-            self._become_outbound_only()
-            return
+        if self._switch_pending and self._become_outbound_only():  # at a step boundary:
+            return  # the new node asks for its own step
         bound = self.plan.stop_reason(self.now(), self.learner.step)  # --steps is exact
         if bound:  # (--duration can run out while joining: no step ends to notice it)
             self.request_stop(bound)
@@ -253,12 +248,16 @@ class Runtime:
         if self.steps.future is None and not self.saver.deferred:  # else at the boundary
             self._become_outbound_only()
 
-    def _become_outbound_only(self) -> None:
-        """Rejoin under a new incarnation as an outbound-only member (a member's info is
-        fixed for one incarnation), keeping the learner and the known peers."""
-        self._switch_pending, self.outbound_only = False, True
-        old = self.node
-        self.identity = load_or_create(self.state_dir)  # bumps the incarnation
+    def _become_outbound_only(self) -> bool:
+        """Rejoin as an outbound-only member under a new incarnation (a member's info is fixed
+        for one), keeping learner and peers; False if it cannot be kept (a read-only disk)."""
+        self._switch_pending, old = False, self.node
+        try:
+            self.identity = load_or_create(self.state_dir)  # bumps the incarnation
+        except IdentityError as exc:
+            self.reporter.warn(f"cannot go outbound-only: {exc}", event="outbound_only_failed")
+            return False
+        self.outbound_only = True
         self.signer = Signer(self.signer.keys, Life(self.identity))
         self.outbox.signer = self.signer
         self.me = dataclasses.replace(self.me, outbound_only=True)
@@ -275,6 +274,7 @@ class Runtime:
         self.handle(proto.Tick())
         self.reporter.info(f"now outbound-only (incarnation {self.identity.incarnation})",
                            event="outbound_only", incarnation=self.identity.incarnation)
+        return True
 
     def request_stop(self, reason: str, code: int = 0) -> None:
         self.exit_code = self.exit_code or code
