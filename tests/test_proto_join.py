@@ -79,6 +79,25 @@ def test_a_fresh_node_adopts_the_leaders_checkpoint_before_its_first_step():
     assert node.learner.step > 0
 
 
+def test_a_joiner_paused_past_its_join_timeout_still_asks_the_leader():
+    """A review paused a fresh joiner for 25 s just after its start (join_timeout 10 s): on
+    waking it found its wait over -- "no leader answered within 10s" -- and trained from its
+    random weights. A pause now starts the wait again."""
+    c = trained_cluster()
+    leader = c.leaders()[0]
+    joiner = next(i for i in range(3) if i != leader)
+    c.crash(joiner)
+    c.run_for(3.0)
+    c.restart(joiner)
+    c.pause(joiner, 2 * JOINING.join_timeout)  # before it has heard of the leader
+    c.run_for(2 * JOINING.join_timeout + 0.05)
+    node = c.training_node(joiner)
+    assert node.control.resumes == 1
+    while not node.join.done:
+        c.run_for(0.05)
+    assert node.join.reason.startswith("weights from the leader's checkpoint"), node.join.reason
+
+
 def test_a_node_with_an_older_replica_adopts_but_a_newer_one_keeps_its_own():
     assert _join(0, 100, 1, 3, 1, 4)
     for own, adopt in ((100, True), (10_000, False)):

@@ -43,6 +43,22 @@ def test_a_follower_back_from_a_pause_does_not_take_the_lease(seed, pause):
     assert cluster.control(follower).leader == cluster.nodes[0].info.node_id
 
 
+@pytest.mark.parametrize("pause", [0.8, 1.0, 1.2])  # in leases: too short to count as a resume
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_best_follower_stalled_for_about_a_lease_does_not_take_the_lead(seed, pause):
+    """It woke past its lease and claimed in the tick that noticed, before the renewals that
+    waited for it were read: 10 seeds of 10 changed leaders at 0.8-1.0 lease (a review's
+    harness), 6 at 1.2. Now a follower run late by more than a heartbeat reads first."""
+    cluster = Cluster(5, seed=seed, priorities=[5, 4, 0, 0, 0])
+    cluster.run_until(6.0)
+    assert _leader(cluster) == 0
+    term = cluster.control(0).term
+    cluster.pause(1, pause * LOCAL.lease)
+    cluster.run_until(cluster.now + pause * LOCAL.lease + 5 * LOCAL.lease)
+    assert _leader(cluster) == 0 and cluster.control(0).term == term
+    assert all(cluster.control(i).term == term for i in cluster.up())
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_a_paused_leader_writes_nothing_in_its_old_term_after_waking(seed):
     cluster = Cluster(5, seed=seed, priorities=[5, 4, 0, 0, 0])

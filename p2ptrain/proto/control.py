@@ -85,6 +85,7 @@ class Control:
         self.me = me
         self.now = _check_time(now, -math.inf)
         self._wake: float | None = None  # the deadline asked for after the last event
+        self.resumes = 0  # pauses noticed (woken more than a lease late)
         self.membership = Membership(config, me, incarnation, now, rng)
         self.election = Election(config, me, now, term_floor)
         self.stopped = False
@@ -198,14 +199,18 @@ class Control:
         # Woken (or handed a message) more than a lease after the deadline we asked for: the
         # process was paused (SIGSTOP, a suspended laptop, a stalled loop). What we knew of the
         # leader is stale: learn whether it lives before claiming, and lead nothing meanwhile.
-        resumed = self._wake is not None and now - self._wake > self.config.lease
+        late = 0.0 if self._wake is None else now - self._wake
+        resumed = late > self.config.lease
         self.now = now
         if self.stopped:
             return []
         msgs: list[Out | ToAll] = []
         actions: list[Action] = []
         if resumed:
+            self.resumes += 1
             self.election.resumed(now, actions)
+        elif late > self.config.heartbeat_interval:
+            self.election.stalled(now)
         if kind is Received:
             self._received(now, event, msgs, actions)
         elif kind is Tick:

@@ -73,6 +73,7 @@ class Election:
         self.gaps: deque[float] = deque(maxlen=RENEWAL_WINDOW)  # recent gaps between renewals
         self.lapse_reported = False
         self.claim_at: float | None = None
+        self.stall_grace = False  # a stall's grace was given since the last renewal
         self.claims_held = False  # no claim now, lapse or not (set by the node; see above)
         self.next_heartbeat = 0.0
         self.yield_term = 0  # the term we led (or knew) when we started yielding
@@ -156,6 +157,13 @@ class Election:
             actions.append(LeaderChanged(self.term, None))
         self.lease_until = max(self.lease_until, now + self.config.lease)
         self.claim_at = None
+
+    def stalled(self, now: float) -> None:
+        """The driver ran late by more than a heartbeat (a stall shorter than a lease): a
+        follower reads the renewals that wait before it claims -- once per renewal."""
+        if not self.leading and not self.stall_grace:
+            self.stall_grace = True
+            self.lease_until = max(self.lease_until, now + self.config.heartbeat_interval)
 
     def progress(self, now: float, step: int, swarm_samples: int, finished: bool,
                  actions: list[Action]) -> None:
@@ -245,6 +253,7 @@ class Election:
         # An outbound-only node hears the leader only in replies to its own requests and
         # never claims: it gives the lease more time before it reports a lapse.
         self.renewed_at = now
+        self.stall_grace = False
         self.lease_until = now + self.lease() * (3 if self.me.outbound_only else 1)
         self.claim_at = None
         if self.lapse_reported:

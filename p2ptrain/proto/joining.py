@@ -159,6 +159,15 @@ class Join:
     def done(self) -> bool:
         return self.state == DONE
 
+    def resumed(self, now: float) -> None:
+        """The process was paused: a wait for a leader (and for its list) starts again. A
+        joiner paused past `timeout` gave up on the leader it had not had time to hear, and
+        trained from its own, fresh weights."""
+        if self.state == WAITING:
+            self.wait_from = now
+            if self.listing_wait is not None:
+                self.listing_wait = now + LISTING_GRACE
+
     def next_deadline(self) -> float | None:
         if self.state == WAITING:
             if self.listing_wait is not None:

@@ -140,7 +140,8 @@ class Node:
         self._fetched_late: CheckpointFetched | None = None  # arrived during such a step
         self.offenders = Offenders(config.offender_refusals, config.offender_window,
                                    config.offender_cooloff)
-        self.started = float(now)
+        self.started = float(now)  # (a pause noticed while joining moves it: `_resumes`)
+        self._resumes = 0
         self.outstanding: int | None = None  # step number of the RunStep in flight
         self.loss: float | None = None  # training loss of the last applied step
         self.eval_loss: float | None = None  # last held-out loss the driver reported
@@ -230,6 +231,11 @@ class Node:
                 body = action.envelope.body
                 if type(body) is Ping and body.target == action.to:
                     self._time_ping(now, body.target, body.seq)
+        if self.control.resumes != self._resumes:  # a pause: a join's waits start again,
+            self._resumes = self.control.resumes  # that for min_peers too
+            if self.phase == JOINING:
+                self.join.resumed(now)
+                self.started = now
         if not self.join.done and self.phase == JOINING:
             held, members = self.control.membership.holdings, self.control.members
             actions += self.join.advance(
