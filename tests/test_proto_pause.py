@@ -94,3 +94,33 @@ def test_the_lease_stretches_on_a_slow_link_and_the_leader_holds(seed):
         changes[name] = max(cluster.control(i).term for i in cluster.up()) - settled
     assert changes["adaptive"] == 0, changes
     assert changes["fixed"] > 0, changes  # the link is slow enough to matter
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_node_paused_with_an_exchange_open_does_not_blame_its_partner(seed):
+    """The pause ran past the exchange's give-up: on waking, the overdue tick ended it as
+    timed out, benched the partner for as long as the pause (up to an hour) and measured its
+    link as slow as the pause. The exchange's clocks now move by the pause: the reply that
+    waited in the socket completes it."""
+    from p2ptrain.proto import GossipConfig, NodeConfig
+    from tests.cluster.training import TrainingCluster
+    from tests.test_node import learner
+
+    config = NodeConfig(gossip=GossipConfig(fanout=0, average_every=1, averaging="full"),
+                        min_peers=0, join_fetch=False, average_timeout=1.0)
+    c = TrainingCluster(3, seed, lambda i, node_id: learner(node_id), node_config=config,
+                        step_seconds=0.1)
+    c.run_until(6.0)
+    deadline = c.now + 30.0
+    while not any(c.training_node(i).trainer.exchange for i in range(3)):
+        assert c.now < deadline, "no exchange opened"
+        c.run_for(0.001)
+    i = next(i for i in range(3) if c.training_node(i).trainer.exchange)
+    trainer = c.training_node(i).trainer
+    peer, before = trainer.exchange.peer, dict(trainer.stats)
+    c.pause(i, 10.0)
+    c.run_for(10.5)
+    assert c.control(i).resumes == 1
+    assert trainer.stats["average_timeout"] == before.get("average_timeout", 0)
+    assert peer not in trainer.benched
+    assert trainer.stats["average_applied"] > before.get("average_applied", 0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from typing import Any
 
 from p2ptrain.proto import wire
@@ -86,6 +87,8 @@ class Control:
         self.now = _check_time(now, -math.inf)
         self._wake: float | None = None  # the deadline asked for after the last event
         self.resumes = 0  # pauses noticed (woken more than a lease late)
+        # the owner's part of a pause noticed: on_resume(now, seconds late), before the event
+        self.on_resume: Callable[[float, float], None] = lambda now, late: None
         self.membership = Membership(config, me, incarnation, now, rng)
         self.election = Election(config, me, now, term_floor)
         self.stopped = False
@@ -209,6 +212,7 @@ class Control:
         if resumed:
             self.resumes += 1
             self.election.resumed(now, actions)
+            self.on_resume(now, late)
         elif late > self.config.heartbeat_interval:
             self.election.stalled(now)
         if kind is Received:

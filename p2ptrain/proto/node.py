@@ -140,8 +140,8 @@ class Node:
         self._fetched_late: CheckpointFetched | None = None  # arrived during such a step
         self.offenders = Offenders(config.offender_refusals, config.offender_window,
                                    config.offender_cooloff)
-        self.started = float(now)  # (a pause noticed while joining moves it: `_resumes`)
-        self._resumes = 0
+        self.started = float(now)  # (a pause noticed while joining moves it: `_resumed`)
+        self.control.on_resume = self._resumed
         self.outstanding: int | None = None  # step number of the RunStep in flight
         self.loss: float | None = None  # training loss of the last applied step
         self.eval_loss: float | None = None  # last held-out loss the driver reported
@@ -231,11 +231,6 @@ class Node:
                 body = action.envelope.body
                 if type(body) is Ping and body.target == action.to:
                     self._time_ping(now, body.target, body.seq)
-        if self.control.resumes != self._resumes:  # a pause: a join's waits start again,
-            self._resumes = self.control.resumes  # that for min_peers too
-            if self.phase == JOINING:
-                self.join.resumed(now)
-                self.started = now
         if not self.join.done and self.phase == JOINING:
             held, members = self.control.membership.holdings, self.control.members
             actions += self.join.advance(
@@ -260,6 +255,17 @@ class Node:
                                  f"node.min_peers ({self.config.min_peers}) live peers")
                           if type(a) is Joined else a for a in actions]
         return actions
+
+    def _resumed(self, now: float, late: float) -> None:
+        """The process was paused (Control noticed, before the event that woke it): the time
+        is ours, not a peer's. A join's waits start again (it gave up on a leader it had had no
+        time to hear, and trained from fresh weights), and an open averaging exchange's
+        clocks move by the pause (its partner was benched, and measured slower, for it)."""
+        if self.phase == JOINING:
+            self.join.resumed(now)
+            self.started = now
+        if self.trainer.exchange is not None:
+            self.trainer.exchange.postpone(late)
 
     def _fetched(self, now: float, event: CheckpointFetched) -> list[Action]:
         actions = self.join.fetched(now, event, self._swarm_loss(self.join.fetching_from),

@@ -116,6 +116,9 @@ class TrainingCluster(harness.Cluster):
         node = self.nodes[i]
         if not node.up or node.generation != generation:
             return
+        if node.paused_until > self.now:  # a stopped process hears of it when it resumes
+            self.at(node.paused_until, lambda c: c._fetch(i, generation, action))
+            return
         src = self.addr_index.get(action.sources[0])
         leader_written = [p for p, (w, _, _) in self.stored.items()
                           if self.nodes[w].info.node_id == action.leader]
@@ -148,7 +151,9 @@ class TrainingCluster(harness.Cluster):
 
     def _step_done(self, i: int, generation: int, step: int, loss: float) -> None:
         node = self.nodes[i]
-        if node.up and node.generation == generation:
+        if node.paused_until > self.now:  # SIGSTOP stops the step's thread too
+            self.at(node.paused_until, lambda c: c._step_done(i, generation, step, loss))
+        elif node.up and node.generation == generation:
             self._handle(node, StepDone(step, loss))
 
     def all_finished(self) -> bool:

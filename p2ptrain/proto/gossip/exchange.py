@@ -31,3 +31,10 @@ class Exchange:
     opened: float | None = None  # when the exchange's first part was sent (None: `started`)
     life: int | None = None  # the responder's incarnation when the part was sent (None: not
     # live then)
+
+    def postpone(self, seconds: float) -> None:
+        """This node was paused for `seconds` while it waited: its clocks move by as much."""
+        self.started += seconds
+        self.deadline += seconds
+        if self.opened is not None:
+            self.opened += seconds
