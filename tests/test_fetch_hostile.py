@@ -25,7 +25,7 @@ from p2ptrain.net.hello import add_hello_route
 from p2ptrain.net.joinflow import JoinFetcher
 from p2ptrain.net.session import Life
 from p2ptrain.net.shelf import Held, Shelf
-from p2ptrain.proto.events import FetchCheckpoint
+from p2ptrain.proto.events import CheckpointFetched, FetchCheckpoint
 from tests.test_ckptfetch import (  # noqa: F401 (small_chunks: an autouse fixture)
     CLIENT_ID,
     CLIENT_KEY,
@@ -328,3 +328,49 @@ def test_a_holder_slow_to_say_what_it_holds_is_not_connected_twice(leader, tmp_p
 
     got = asyncio.run(run())
     assert got.manifest.id == leader.ckid and len(hellos) == 1, hellos
+
+
+def test_a_joiners_fetch_from_a_leader_that_stopped_ends_once_another_leads(leader, tmp_path,
+                                                                            monkeypatch):
+    """A leader paused mid-serve (its connections open, no byte coming) held its joiner for
+    2.5 minutes -- the chunks' read timeouts times the source's failures -- while a new leader
+    led within 2 s. The fetch now ends once the node sees another leader, to be asked again."""
+    monkeypatch.setattr("p2ptrain.net.joinflow.LEADER_POLL", 0.05)
+    stalled, resumed = asyncio.Event(), asyncio.Event()
+
+    @web.middleware
+    async def paused(request, handler):  # the manifest is served; the chunks never come
+        if request.path.endswith(".safetensors"):
+            stalled.set()
+            await resumed.wait()
+        return await handler(request)
+
+    app = make_app(leader)
+    app.middlewares.append(paused)
+    answers, view = [], {"leader": leader.ident.node_id}
+
+    class Quiet:
+        def info(self, *a, **k):
+            pass
+
+        warn = info
+
+    async def run():
+        async with serving(app) as base, aiohttp.ClientSession() as session:
+            fetcher = JoinFetcher(session, _signer, tmp_path / "st", "fp", None, answers.append,
+                                  Quiet(), None, None, Shelf(lambda: []),
+                                  lambda leader_id, digest: [], lambda: view["leader"])
+            fetcher.start(FetchCheckpoint(leader.ident.node_id, (base.removeprefix("http://"),),
+                                          1))
+            await asyncio.wait_for(stalled.wait(), 30)
+            view["leader"] = None  # a lapse: nobody known yet -- the fetch goes on
+            await asyncio.sleep(0.2)
+            assert not fetcher.task.done()
+            view["leader"] = "ab" * 16  # the swarm's new leader
+            await asyncio.wait_for(fetcher.task, 30)
+            resumed.set()  # (else the server's cleanup waits for its handlers)
+
+    asyncio.run(run())
+    fetched = [a for a in answers if isinstance(a, CheckpointFetched)]
+    assert len(fetched) == 1 and fetched[0].path is None and fetched[0].retry, answers
+    assert "no longer leads" in fetched[0].reason, fetched[0].reason

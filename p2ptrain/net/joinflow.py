@@ -7,7 +7,10 @@ the node named -- the leader and the members that advertise the same checkpoint 
 that start advertising it while the fetch runs (`holders`). It lands in
 `<state dir>/fetched/`, verified chunk by chunk, resumable, and is served to later joiners
 from its first verified chunk (the shelf). When the join is over, partial downloads and all
-but the newest fetched checkpoint are removed. A driver: I/O is allowed.
+but the newest fetched checkpoint are removed. A fetch ends (to be tried again from whoever
+leads then) once another node leads in this node's view (`leader_now`): a leader paused
+mid-serve held its joiners for minutes, past the chunks' read timeouts, while a new one led
+within seconds. A driver: I/O is allowed.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from p2ptrain.report import Reporter
 
 FETCHED_DIR = "fetched"  # under the state dir: checkpoints fetched from leaders
+LEADER_POLL = 2.0  # s between looks at who leads while a join-time fetch runs
 FETCH_DEADLINE = 600.0  # s for one join-time fetch (a stalled leader cannot hold us)
 
 
@@ -48,10 +52,12 @@ class JoinFetcher:
                  state_dir: Path, fingerprint: str, io: Executor, answer: Callable[[Any], Any],
                  reporter: Reporter, judge: Callable[[Path], tuple[float, float]],
                  between_steps: Callable[[], Awaitable[None]], shelf: Shelf,
-                 holders: Callable[[str, str], list[str]]):
+                 holders: Callable[[str, str], list[str]],
+                 leader_now: Callable[[], str | None] = lambda: None):
         # the node's signer of the moment (a new one after the switch to outbound-only)
         self.session, self.signer, self.io, self.shelf = session, signer, io, shelf
         self.holders = holders  # (leader, digest) -> addresses of members that hold it
+        self.leader_now = leader_now  # who leads in the node's view (None: nobody known)
         self.judge = judge  # path -> (its held-out loss on a fixed batch, our replica's)
         self.between_steps = between_steps  # returns once no step runs (judge's buffer free)
         self.root = state_dir / FETCHED_DIR
@@ -108,7 +114,7 @@ class JoinFetcher:
         bar = FetchProgress("fetching the leader's checkpoint", say=lambda text: self.reporter.info(
             text, event="fetch_progress"))
         try:
-            fetched = await asyncio.wait_for(
+            fetched = await self._while_leading(action.leader, asyncio.wait_for(
                 fetch_checkpoint(self.session, sources, self.signer, self.root,
                                  expected_leader=action.leader, files=(checkpoint.MODEL_FILE,),
                                  progress=bar, shelf=self.shelf,
@@ -117,7 +123,7 @@ class JoinFetcher:
                                  prefer=None if action.prefer is None
                                  else checkpoint_name(*action.prefer),
                                  fingerprint=self.fingerprint),
-                FETCH_DEADLINE)
+                FETCH_DEADLINE))
         except NoCheckpoint as exc:
             return CheckpointFetched(None, reason=str(exc), retry=False)
         except FetchError as exc:
@@ -145,6 +151,21 @@ class JoinFetcher:
         self.reporter.warn(f"checkpoint fetch failed: {reason}", event="fetch_failed",
                            attempt=action.attempt)
         return CheckpointFetched(None, reason=reason, retry=True)
+
+    async def _while_leading(self, leader: str, work: Awaitable[Any]) -> Any:
+        """`work`'s result, unless another node comes to lead first: then FetchError (and the
+        work is cancelled; what it fetched stays, resumable)."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not (await asyncio.wait({task}, timeout=LEADER_POLL))[0]:
+                if self.leader_now() not in (leader, None):
+                    raise FetchError(f"{leader[:12]} no longer leads: the swarm's new leader "
+                                     f"is asked")
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def _drop(self, path: Path) -> None:
         held = self.shelf.find(path.name) if self.shelf is not None else None

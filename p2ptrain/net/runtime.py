@@ -335,9 +335,9 @@ class Runtime:
             self.outbox.on_unanswered = lambda *ask: self.handle(proto.Unanswered(*ask))
             self.fetcher = JoinFetcher(self.outbox.session, lambda: self.signer, self.state_dir,
                                        self.learner.fingerprint, self.io_pool, self.handle,
-                                       reporter, self.learner.judge_checkpoint,
-                                       self.steps.idle, self.shelf,
-                                       lambda *key: list(self.node.sources_of(*key)))
+                                       reporter, self.learner.judge_checkpoint, self.steps.idle,
+                                       self.shelf, lambda *key: list(self.node.sources_of(*key)),
+                                       lambda: self.node.control.leader)
             self.node = self._make_node()
             reporter.info(f"node {self.node_id[:12]} listening on {net.bind}:{port}, "
                           f"advertised as {addr}, swarm {self.swarm.name!r} "
