@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from p2ptrain.fsutil import atomic_write_bytes, read_regular
+from p2ptrain.fsutil import atomic_write_bytes
 
 TOKEN_PREFIX = "p2pt1"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
@@ -108,12 +108,13 @@ def parse_token(token: str) -> Swarm:
 
 def read_key_file(path: Path, name: str) -> Swarm:
     """A swarm from a key file written by `init` (32 raw bytes, or a token on one line)."""
-    try:  # (a FIFO there cannot hang the start, nor /dev/zero fill memory)
-        raw = read_regular(path, MAX_KEY_FILE_BYTES)
+    try:  # (a pipe is read: `--key-file <(pass show swarm)`; /dev/zero cannot fill memory)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
         raise SwarmError(f"swarm key file {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:  # not a regular file, or too large
-        raise SwarmError(f"swarm key file {path}: {exc}") from None
+    if len(raw) > MAX_KEY_FILE_BYTES:
+        raise SwarmError(f"swarm key file {path}: larger than {MAX_KEY_FILE_BYTES} bytes")
     if raw.strip().startswith(TOKEN_PREFIX.encode()):
         return parse_token(raw.decode("ascii", "replace"))
     if len(raw) != 32:

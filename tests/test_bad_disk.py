@@ -83,10 +83,19 @@ def test_a_fifo_for_the_key_grace_record_counts_as_damaged(tmp_path):
     assert used == float("inf")  # all of the grace used: a damaged record reopens none
 
 
-def test_a_fifo_for_a_swarm_key_file_is_one_line(tmp_path):
-    with pytest.raises(SwarmError, match="swarm key file .*: not a regular file"):
-        without_waiting_on(tmp_path / "swarm.key", lambda: read_key_file(tmp_path / "swarm.key",
-                                                                         "lab"))
+def test_a_swarm_key_file_may_be_a_pipe_but_not_an_endless_one(tmp_path):
+    """`--key-file <(pass show swarm)` keeps the secret off the disk (a review found this
+    session's first version refused it); /dev/zero is refused, not read until memory ends."""
+    key = os.urandom(32)
+    read, write = os.pipe()
+    os.write(write, key)
+    os.close(write)
+    try:
+        assert read_key_file(Path(f"/dev/fd/{read}"), "lab").key == key
+    finally:
+        os.close(read)
+    with pytest.raises(SwarmError, match="swarm key file /dev/zero: larger than 4096 bytes"):
+        read_key_file(Path("/dev/zero"), "lab")
 
 
 def test_a_fifo_for_a_bases_manifest_or_its_index_is_refused(tmp_path):
@@ -138,6 +147,8 @@ def test_a_base_linked_to_a_disk_not_mounted_is_named_not_fetched_over(tmp_path)
     with pytest.raises(BaseError, match="0123456789abcdef: it is a link to .*, which does not "
                                         "exist"):
         lora_setup.find_base("0123456789abcdef", [root])
+    with pytest.raises(BaseError, match="which does not exist"):  # none of the roots has it
+        lora_setup.find_base("0123456789abcdef", [root, tmp_path / "elsewhere"])
     with pytest.raises(lora_setup.BaseMissing):  # once the link is removed: fetched anew
         (root / "0123456789abcdef").unlink()
         lora_setup.find_base("0123456789abcdef", [root])

@@ -413,10 +413,12 @@ def test_an_interrupted_fetch_resumes_with_only_the_missing_chunks(leader, tmp_p
         fetch(leader, tmp_path / "out", chunk_retries=1)
     partial = tmp_path / "out" / (PARTIAL_PREFIX + leader.ckid)
     done = json.loads((partial / "progress.json").read_text())["done"]
-    assert sum(len(v) for v in done.values()) == 3 and not (tmp_path / "out" / leader.ckid).exists()
+    kept = sum(len(v) for v in done.values())  # 3, or 2 when the cut ends the fetch while the
+    # third chunk is still in flight (a loaded machine)
+    assert 2 <= kept <= 3 and not (tmp_path / "out" / leader.ckid).exists()
     leader.cut_after, leader.counts["chunks"] = None, 0
     out = fetch(leader, tmp_path / "out")
-    assert leader.counts["chunks"] == 6 - 3
+    assert leader.counts["chunks"] == 6 - kept
     assert store.read_manifest(out).leader == leader.ident.node_id and not partial.exists()
 
 
@@ -444,9 +446,10 @@ def test_a_resumed_chunk_that_no_longer_hashes_right_is_fetched_again(leader, tm
     with open(partial / name, "r+b") as f:  # a crash lost part of a chunk listed as done
         f.seek(done[name][0] * CHUNK)
         f.write(b"\0" * 16)
+    kept = sum(len(v) for v in done.values())  # (3, or 2: the test above)
     leader.cut_after, leader.counts["chunks"] = None, 0
     fetch(leader, tmp_path / "out")
-    assert leader.counts["chunks"] == 6 - 3 + 1
+    assert kept >= 2 and leader.counts["chunks"] == 6 - kept + 1
 
 
 def test_path_traversal_unknown_files_and_bad_ids_get_404(leader):

@@ -124,3 +124,67 @@ def test_a_node_paused_with_an_exchange_open_does_not_blame_its_partner(seed):
     assert trainer.stats["average_timeout"] == before.get("average_timeout", 0)
     assert peer not in trainer.benched
     assert trainer.stats["average_applied"] > before.get("average_applied", 0)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_step_that_ends_first_after_a_pause_opens_an_exchange_that_is_not_postponed(seed):
+    """A review's case: the first event after the pause was the step's end, which opened a
+    new exchange before Control noticed the pause; the exchange was then moved 10 s into the
+    future and its reply, measured over a negative time, stopped the node (a ValueError)."""
+    from p2ptrain.proto import GossipConfig, NodeConfig
+    from tests.cluster.training import TrainingCluster
+    from tests.test_node import learner
+
+    config = NodeConfig(gossip=GossipConfig(fanout=0, average_every=1, averaging="full"),
+                        min_peers=0, join_fetch=False, average_timeout=1.0)
+    c = TrainingCluster(3, seed, lambda i, node_id: learner(node_id), node_config=config,
+                        step_seconds=0.1)
+    c.run_until(6.0)
+    deadline = c.now + 30.0
+
+    def stepping_without_exchange() -> list[int]:
+        return [i for i in range(3) if c.training_node(i).outstanding is not None
+                and c.training_node(i).trainer.exchange is None]
+
+    while not stepping_without_exchange():
+        assert c.now < deadline, "no node stepping without an exchange"
+        c.run_for(0.001)
+    i = stepping_without_exchange()[0]
+    node = c.training_node(i)
+    c.pause(i, 10.0)
+    c.run_until(c.now + 10.0)
+    assert c.control(i).resumes == 1
+    ex = node.trainer.exchange
+    assert ex is None or ex.started <= c.now
+    c.run_for(1.0)  # its reply is taken (a ValueError here before)
+    assert node.trainer.stats["average_applied"] > 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_follower_that_stalls_while_waiting_to_claim_does_not_spin(seed):
+    """`stalled` moved the lease and not the claim due before it: the node asked to be woken
+    at a time already past, over and over (the harness's virtual time stood still)."""
+    cluster = Cluster(5, seed=seed, priorities=[5, 4, 0, 0, 0])
+    cluster.run_until(6.0)
+    cluster.crash(0)
+    deadline = cluster.now + 10.0
+
+    def waiting() -> list[int]:
+        return [i for i in (2, 3, 4) if cluster.control(i).election.claim_at is not None
+                and cluster.control(i).election.claim_at > cluster.now + 0.05]
+
+    while not waiting():
+        assert cluster.now < deadline, "no follower waiting to claim"
+        cluster.run_for(0.001)
+    i = waiting()[0]
+    election = cluster.control(i).election
+    cluster.pause(i, election.claim_at + 0.6 - cluster.now)  # late by > a heartbeat, < a lease
+    events = []
+
+    def count(c, j, _event, _actions) -> None:
+        events.extend([j] if j == i else [])
+        assert len(events) < 1000, f"node {i} woken {len(events)} times by {c.now:.3f}"
+
+    cluster.observe(type("Count", (), {"on_actions": staticmethod(count)})())
+    cluster.run_until(cluster.now + 5.0)  # (it spun at one virtual time for ever before)
+    assert len(cluster.leaders()) == 1

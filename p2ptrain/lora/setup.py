@@ -45,16 +45,19 @@ def is_base_id(source: str) -> bool:
 def find_base(base_id: str, roots: list[Path]) -> Base:
     """The base `base_id` in the first of `roots` that holds it, or is it (BaseMissing: none
     does)."""
+    broken = None  # a link to a disk not mounted: said if no other root holds the base
     for root in roots:
         if is_base_dir(root) and (given := read_base(root)).id == base_id:
             return given
-        if why := dangling(root / base_id):  # else fetched or made again in its place
-            raise BaseError(f"{root / base_id}: {why}")
+        if broken is None and (why := dangling(root / base_id)):  # (else fetched or made
+            broken = BaseError(f"{root / base_id}: {why}")  # again in the link's place)
         if is_base_dir(root / base_id):
             base = read_base(root / base_id)
             if base.id != base_id:
                 raise BaseError(f"{root / base_id} holds base {base.id}, not {base_id}")
             return base
+    if broken is not None:
+        raise broken
     raise BaseMissing(base_id, roots[0] if roots else Path("."))
 
 

@@ -31,6 +31,7 @@ from aiohttp import web
 from p2ptrain import checkpoint, proto
 from p2ptrain.housekeeping import Housekeeping
 from p2ptrain.identity import IdentityError, load_or_create
+from p2ptrain.net import stopsignals
 from p2ptrain.net.auth import Life, ServerAuth, Signer
 from p2ptrain.net.discovery import advertised_address, seed_loop, start_mdns
 from p2ptrain.net.joinflow import FETCHED_DIR, JoinFetcher
@@ -323,7 +324,7 @@ class Runtime:
                                shutdown_timeout=min(5.0, self.settings.host.grace_seconds / 4))
         await runner.setup()
         self.outbox: Outbox | None = None
-        discovery = None
+        discovery, signals = None, {}
         try:
             port = await listen(runner, net.bind, net.port)
             seeds = net.seeds()
@@ -343,8 +344,7 @@ class Runtime:
                           f"advertised as {addr}, swarm {self.swarm.name!r} "
                           f"(id {self.swarm.swarm_id})", event="listening", addr=addr,
                           port=port, swarm_id=self.swarm.swarm_id, node_id=self.node_id)
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self.loop.add_signal_handler(s, self._on_signal, s)
+            signals = stopsignals.catch(self.loop, self._on_signal)
             found = lambda a: self.handle(proto.Discovered(a))  # noqa: E731
             warn = functools.partial(reporter.warn, event="discovery")
             if net.mdns:
@@ -364,8 +364,7 @@ class Runtime:
             self.fetcher.cancel()
             await self._shutdown()
         finally:
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self.loop.remove_signal_handler(s)
+            stopsignals.release(self.loop, signals)
             if self._timer is not None:
                 self._timer.cancel()
             if discovery is not None:

@@ -190,6 +190,27 @@ class Control:
         election = self.election.next_deadline()
         return deadline if election is None or deadline < election else election
 
+    def notice(self, now: float) -> list[Action]:
+        """Before any event (the owner's too: a step that ended, a request given up): woken or
+        handed anything more than a lease after the deadline we asked for, the process was
+        paused (SIGSTOP, a suspended laptop, a stalled loop). What we knew of the leader is
+        stale: learn whether it lives before claiming, lead nothing meanwhile, and tell the
+        owner (`on_resume`). More than a heartbeat late: a stall (`Election.stalled`).
+        Counted once: the deadline asked moves to what is due now."""
+        late = 0.0 if self._wake is None else now - self._wake
+        actions: list[Action] = []
+        if late <= self.config.heartbeat_interval or self.stopped:
+            return actions
+        if late > self.config.lease:
+            self.resumes += 1
+            self.election.resumed(now, actions)
+            self.on_resume(now, late)
+        else:
+            self.election.stalled(now)
+        deadline = self.next_deadline()
+        self._wake = None if deadline is None else max(deadline, now)
+        return actions
+
     def handle(self, now: float, event: Event) -> list[Action]:
         """Process one event at time `now` (never earlier than the previous call)."""
         if type(now) is not float and type(now) is not int or not self.now <= now < math.inf:
@@ -199,22 +220,11 @@ class Control:
             raise LocalProtocolError(f"unknown event {event!r}")
         if kind is Progress:
             self._check_progress(event)
-        # Woken (or handed a message) more than a lease after the deadline we asked for: the
-        # process was paused (SIGSTOP, a suspended laptop, a stalled loop). What we knew of the
-        # leader is stale: learn whether it lives before claiming, and lead nothing meanwhile.
-        late = 0.0 if self._wake is None else now - self._wake
-        resumed = late > self.config.lease
         self.now = now
         if self.stopped:
             return []
         msgs: list[Out | ToAll] = []
-        actions: list[Action] = []
-        if resumed:
-            self.resumes += 1
-            self.election.resumed(now, actions)
-            self.on_resume(now, late)
-        elif late > self.config.heartbeat_interval:
-            self.election.stalled(now)
+        actions = self.notice(now)
         if kind is Received:
             self._received(now, event, msgs, actions)
         elif kind is Tick:

@@ -164,6 +164,8 @@ class Election:
         if not self.leading and not self.stall_grace:
             self.stall_grace = True
             self.lease_until = max(self.lease_until, now + self.config.heartbeat_interval)
+            if self.claim_at is not None:  # (a claim due before the lease ends: no busy wake)
+                self.claim_at = max(self.claim_at, self.lease_until)
 
     def progress(self, now: float, step: int, swarm_samples: int, finished: bool,
                  actions: list[Action]) -> None:

@@ -189,6 +189,7 @@ class Node:
             raise LocalProtocolError(f"bad time {now!r} (last {self.control.now})")
         kind = type(event)
         msgs: list[Out] = []
+        paused = self.control.notice(now)  # first: a pause is ours, whatever woke us
         if kind is StepDone:
             actions = self._step_done(now, event, msgs)
         elif kind is Received:
@@ -223,6 +224,7 @@ class Node:
             raise LocalProtocolError("a training Node reports its own Progress")
         else:
             raise LocalProtocolError(f"unknown event {event!r}")
+        actions[:0] = paused  # (a leader that was paused steps down first)
         for out in msgs:
             actions.append(self.control.wrap(out.to, out.addr, out.body, out.reply))
         for action in actions:
@@ -265,7 +267,7 @@ class Node:
             self.join.resumed(now)
             self.started = now
         if self.trainer.exchange is not None:
-            self.trainer.exchange.postpone(late)
+            self.trainer.exchange.postpone(late, now)
 
     def _fetched(self, now: float, event: CheckpointFetched) -> list[Action]:
         actions = self.join.fetched(now, event, self._swarm_loss(self.join.fetching_from),

@@ -32,9 +32,11 @@ class Exchange:
     life: int | None = None  # the responder's incarnation when the part was sent (None: not
     # live then)
 
-    def postpone(self, seconds: float) -> None:
-        """This node was paused for `seconds` while it waited: its clocks move by as much."""
-        self.started += seconds
-        self.deadline += seconds
+    def postpone(self, seconds: float, now: float) -> None:
+        """This node was paused for `seconds` while it waited: its clocks move by as much
+        (never past `now`: an exchange opened since cannot have waited through it)."""
+        shift = max(0.0, min(seconds, now - self.started))
+        self.started += shift
+        self.deadline += shift
         if self.opened is not None:
-            self.opened += seconds
+            self.opened = min(self.opened + shift, self.started)
