@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from p2ptrain.proto import GossipConfig, NodeConfig
 from p2ptrain.proto.config import LOCAL
 from tests.cluster.harness import Cluster, Network
+from tests.cluster.training import TrainingCluster
+from tests.test_node import learner
 
 PAUSES = [3.0, 5.0, 12.0]  # seconds; the lease is LOCAL.lease (1 s)
 
@@ -96,21 +99,23 @@ def test_the_lease_stretches_on_a_slow_link_and_the_leader_holds(seed):
     assert changes["fixed"] > 0, changes  # the link is slow enough to matter
 
 
+def _averaging_cluster(seed: int) -> TrainingCluster:
+    """Three training nodes averaging after every step, 6 s in."""
+    config = NodeConfig(gossip=GossipConfig(fanout=0, average_every=1, averaging="full"),
+                        min_peers=0, join_fetch=False, average_timeout=1.0)
+    c = TrainingCluster(3, seed, lambda i, node_id: learner(node_id), node_config=config,
+                        step_seconds=0.1)
+    c.run_until(6.0)
+    return c
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_a_node_paused_with_an_exchange_open_does_not_blame_its_partner(seed):
     """The pause ran past the exchange's give-up: on waking, the overdue tick ended it as
     timed out, benched the partner for as long as the pause (up to an hour) and measured its
     link as slow as the pause. The exchange's clocks now move by the pause: the reply that
     waited in the socket completes it."""
-    from p2ptrain.proto import GossipConfig, NodeConfig
-    from tests.cluster.training import TrainingCluster
-    from tests.test_node import learner
-
-    config = NodeConfig(gossip=GossipConfig(fanout=0, average_every=1, averaging="full"),
-                        min_peers=0, join_fetch=False, average_timeout=1.0)
-    c = TrainingCluster(3, seed, lambda i, node_id: learner(node_id), node_config=config,
-                        step_seconds=0.1)
-    c.run_until(6.0)
+    c = _averaging_cluster(seed)
     deadline = c.now + 30.0
     while not any(c.training_node(i).trainer.exchange for i in range(3)):
         assert c.now < deadline, "no exchange opened"
@@ -131,15 +136,7 @@ def test_a_step_that_ends_first_after_a_pause_opens_an_exchange_that_is_not_post
     """A review's case: the first event after the pause was the step's end, which opened a
     new exchange before Control noticed the pause; the exchange was then moved 10 s into the
     future and its reply, measured over a negative time, stopped the node (a ValueError)."""
-    from p2ptrain.proto import GossipConfig, NodeConfig
-    from tests.cluster.training import TrainingCluster
-    from tests.test_node import learner
-
-    config = NodeConfig(gossip=GossipConfig(fanout=0, average_every=1, averaging="full"),
-                        min_peers=0, join_fetch=False, average_timeout=1.0)
-    c = TrainingCluster(3, seed, lambda i, node_id: learner(node_id), node_config=config,
-                        step_seconds=0.1)
-    c.run_until(6.0)
+    c = _averaging_cluster(seed)
     deadline = c.now + 30.0
 
     def stepping_without_exchange() -> list[int]:
