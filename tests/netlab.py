@@ -30,6 +30,19 @@ _STOP_GRACE = 3.0  # seconds a process gets between SIGTERM and SIGKILL
 # held back while a lab is removed: their handlers (Ctrl-C's KeyboardInterrupt, SIGTERM's and
 # SIGHUP's in tests/conftest.py) would stop the removal half-way, and nothing would finish it
 _DEFERRED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+# ... and since that mask is the closing thread's only (with another thread alive the kernel
+# may hand it the signal, and Python runs the handler in this thread all the same), the
+# conftest handler also asks `defer_signal` first: while a removal runs, it is said after
+_removing = 0  # removals running
+_said_after: list[str] = []  # the signal a removal holds back, by name
+
+
+def defer_signal(name: str) -> bool:
+    """Whether a lab's removal runs now (tests/conftest.py's handler then returns, and the
+    removal raises KeyboardInterrupt when it ends)."""
+    if _removing:
+        _said_after.append(name)
+    return bool(_removing)
 
 
 def _base36(n: int) -> str:
@@ -179,10 +192,13 @@ class NetLab:
         return subprocess.run(["ip", "netns", "exec", self.ns(i), *argv], **kw)
 
     def close(self) -> None:
-        """Stop the lab's processes, then delete namespaces, veths and the bridge; never raises."""
+        """Stop the lab's processes, then delete namespaces, veths and the bridge; never raises
+        but the KeyboardInterrupt of a SIGTERM or SIGHUP held back while it ran."""
         if self._closed:
             return
         self._closed = True
+        global _removing
+        _removing += 1
         held = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)  # delivered when done
         try:
             atexit.unregister(self.close)
@@ -193,7 +209,12 @@ class NetLab:
             for ns in self._namespaces:
                 self._quietly("netns", "delete", ns)
         finally:
+            _removing -= 1
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        if not _removing and _said_after:
+            name = _said_after.pop()
+            _said_after.clear()
+            raise KeyboardInterrupt(f"{name} received: tearing down")
 
     def _stop_processes(self) -> None:
         """SIGTERM everything we started (and stragglers in our namespaces), then SIGKILL."""

@@ -30,7 +30,7 @@ DEADLINE = 30.0  # seconds; each step normally takes well under one
 
 # The inner tests. `ready` holds "<lab tag> <pid of the child in the namespace>".
 INNER = """\
-import os, sys, time
+import os, sys, threading, time
 from pathlib import Path
 from tests.netlab import NetLab
 
@@ -64,6 +64,11 @@ def test_closing():  # the signal comes while the lab is being removed
         while not (TMP / "up").exists() and child.poll() is None:
             time.sleep(0.02)
         ready(lab, child)
+
+
+def test_closing_beside_a_thread():  # the kernel may hand the signal to the other thread
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+    test_closing()
 """
 
 
@@ -138,9 +143,10 @@ def test_a_signalled_run_removes_its_lab(tmp_path: Path, sig: signal.Signals) ->
         assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
 
 
-def test_a_signal_during_the_removal_lets_it_finish(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inner", ["test_closing", "test_closing_beside_a_thread"])
+def test_a_signal_during_the_removal_lets_it_finish(tmp_path: Path, inner: str) -> None:
     require_netns()
-    with inner_run(tmp_path, "test_closing") as (proc, tag, child):
+    with inner_run(tmp_path, inner) as (proc, tag, child):
         wait_for("the lab's removal to begin (its child's SIGTERM)",
                  lambda: (tmp_path / "got").exists() or not alive(child), DEADLINE)
         assert alive(child), "the child ended before the removal could be held"
