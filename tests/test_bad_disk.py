@@ -12,7 +12,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 from aiohttp import web
 
@@ -28,7 +27,13 @@ from p2ptrain.net.rotation import read_used
 from p2ptrain.statelock import lock_state_dir
 from p2ptrain.swarm import SwarmError, read_key_file
 from tests.helpers import cli_env, run_cli
-from tests.test_ckptfetch import fetch, make_app, make_leader, small_chunks  # noqa: F401
+from tests.test_ckptfetch import (  # noqa: F401 (small_chunks: an autouse fixture)
+    fetch,
+    make_app,
+    make_leader,
+    save_checkpoint,
+    small_chunks,
+)
 
 GRACE = 20.0  # s a call may take before it counts as stuck on the FIFO
 
@@ -60,21 +65,12 @@ def without_waiting_on(fifo: Path, call: Callable[[], object]) -> object:
 def test_a_fifo_for_a_checkpoints_manifest_is_passed_over(tmp_path):
     leader = make_leader(tmp_path)
     older = leader.ckroot / leader.ckid
-    newer = store.save(leader.ckroot, _snapshot(step=9), leader.ident, keep=3)
+    newer = save_checkpoint(leader.ckroot, leader.ident, step=9)
     (newer / mf.MANIFEST_FILE).unlink()
     with pytest.raises(mf.CheckpointError, match="unreadable manifest .*not a regular file"):
         without_waiting_on(newer / mf.MANIFEST_FILE, lambda: mf.read(newer))
     found = store.find_latest(leader.ckroot, "fp")
     assert found.path == older and any("not a regular file" in s for s in found.skipped)
-
-
-def _snapshot(step: int) -> store.Snapshot:
-    return store.Snapshot(step=step, term=2, swarm_count={"a" * 32: 50}, fingerprint="fp",
-                          arch={"model": "test"},
-                          model_tensors=[("w", np.ones((300, 200), np.float32)),
-                                         ("b", np.ones(200, np.float32))],
-                          state_tensors=[("adam.m", np.ones((100, 200), np.float32))],
-                          state_meta={"step": step})
 
 
 def test_a_fifo_for_the_key_grace_record_counts_as_damaged(tmp_path):

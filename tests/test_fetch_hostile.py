@@ -51,6 +51,15 @@ def _signer() -> Signer:
     return Signer(KEY, Life.throwaway(next(INCARNATIONS), CLIENT_KEY))
 
 
+class _Quiet:
+    """A reporter that says nothing."""
+
+    def info(self, *a, **k):
+        pass
+
+    warn = info
+
+
 def _member_app(tmp_path, name: str, route) -> web.Application:
     """A key holder that answers hello honestly and `/v1/checkpoint/{id}` with `route`."""
     me = load_or_create(tmp_path / name)
@@ -119,17 +128,11 @@ def test_a_joiners_fetch_always_answers(leader, tmp_path, monkeypatch):
     monkeypatch.setattr("p2ptrain.net.joinflow.fetch_checkpoint", broken)
     answers = []
 
-    class Quiet:
-        def info(self, *a, **k):
-            pass
-
-        warn = info
-
     async def run():
         async with aiohttp.ClientSession() as session:
             signer = _signer()
             fetcher = JoinFetcher(session, lambda: signer, tmp_path / "st", "fp", None,
-                                  answers.append, Quiet(), None, None, Shelf(lambda: []),
+                                  answers.append, _Quiet(), None, None, Shelf(lambda: []),
                                   lambda leader_id, digest: [])
             fetcher.start(FetchCheckpoint(leader.ident.node_id, ("127.0.0.1:9",), 1))
             await asyncio.wait_for(fetcher.task, 30)
@@ -151,19 +154,13 @@ def test_a_joiners_fetch_signs_as_the_node_signs_now(leader, tmp_path, monkeypat
 
     monkeypatch.setattr("p2ptrain.net.joinflow.fetch_checkpoint", record)
 
-    class Quiet:
-        def info(self, *a, **k):
-            pass
-
-        warn = info
-
     node = {"signer": _signer()}
     first = node["signer"]
 
     async def run():
         async with aiohttp.ClientSession() as session:
             fetcher = JoinFetcher(session, lambda: node["signer"], tmp_path / "st", "fp", None,
-                                  lambda answer: None, Quiet(), None, None, Shelf(lambda: []),
+                                  lambda answer: None, _Quiet(), None, None, Shelf(lambda: []),
                                   lambda leader_id, digest: [])
             for _ in range(2):
                 fetcher.start(FetchCheckpoint(leader.ident.node_id, ("127.0.0.1:9",), 1))
@@ -347,25 +344,26 @@ def test_a_joiners_fetch_from_a_leader_that_stopped_ends_once_another_leads(lead
 
     app = make_app(leader)
     app.middlewares.append(paused)
-    answers, view = [], {"leader": leader.ident.node_id}
+    answers, view, polls = [], {"leader": leader.ident.node_id}, []
 
-    class Quiet:
-        def info(self, *a, **k):
-            pass
-
-        warn = info
+    def leader_now() -> str | None:
+        polls.append(view["leader"])
+        return view["leader"]
 
     async def run():
         async with serving(app) as base, aiohttp.ClientSession() as session:
             fetcher = JoinFetcher(session, _signer, tmp_path / "st", "fp", None, answers.append,
-                                  Quiet(), None, None, Shelf(lambda: []),
-                                  lambda leader_id, digest: [], lambda: view["leader"])
+                                  _Quiet(), None, None, Shelf(lambda: []),
+                                  lambda leader_id, digest: [], leader_now)
             fetcher.start(FetchCheckpoint(leader.ident.node_id, (base.removeprefix("http://"),),
                                           1))
             await asyncio.wait_for(stalled.wait(), 30)
             view["leader"] = None  # a lapse: nobody known yet -- the fetch goes on
-            await asyncio.sleep(0.2)
-            assert not fetcher.task.done()
+            for _ in range(600):  # (30 s at most) until it has looked three times
+                if polls.count(None) >= 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert polls.count(None) >= 3 and not fetcher.task.done()
             view["leader"] = "ab" * 16  # the swarm's new leader
             await asyncio.wait_for(fetcher.task, 30)
             resumed.set()  # (else the server's cleanup waits for its handlers)
